@@ -1,0 +1,188 @@
+"""The ``evertrain`` command. Heavy libraries are imported late, so ``--help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _environment() -> None:
+    os.environ.setdefault("PREFECT_HOME", str(PROJECT_ROOT / ".prefect"))
+    from evertrain.runtime import quiet_libraries
+
+    quiet_libraries()
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The campaign config: --config if given, else the one stored for --campaign, else the defaults."""
+    from evertrain.config import load_config, parse_config
+
+    overrides = {"name": getattr(args, "campaign", None)}
+    if getattr(args, "config", None):
+        return load_config(args.config, **overrides)
+    if overrides["name"]:
+        stored = _stored_config(overrides["name"], getattr(args, "store", None))
+        if stored is not None:
+            return parse_config(stored, f"(stored for campaign {overrides['name']!r})")
+    return load_config(None, **overrides)
+
+
+def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | None:
+    from evertrain.config import PathsConfig
+    from evertrain.data.store import Store
+
+    path = Path(store_path or PathsConfig().store)
+    if not path.exists():
+        return None
+    store = Store(path, read_only=True)
+    try:
+        frame = store.query("SELECT config FROM campaigns WHERE campaign = ?", [campaign])
+    except Exception:
+        return None
+    finally:
+        store.close()
+    return None if frame.empty else json.loads(frame["config"].iloc[0])
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from evertrain.flows.campaign import campaign_flow
+    from evertrain.report import iteration_report, render_table
+    from evertrain.runtime import get_runtime
+
+    rt = get_runtime(config)
+    print(f"campaign {config.name!r}: model {config.model.path}, environments "
+          f"{', '.join(f'{s.name}×{s.weight:g}' for s in config.environments)}; "
+          f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
+          f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
+    done = campaign_flow(config, args.iterations)
+    rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
+    render_table(rows, f"campaign {config.name}")
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from evertrain.runtime import get_runtime
+    from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+
+    rt = get_runtime(config)
+    before = rt.store.counts()
+    metrics = run_stage(rt, args.stage, args.iteration, STAGE_FUNCTIONS[args.stage])
+    after = rt.store.counts()
+    print(json.dumps({"stage": args.stage, "iteration": args.iteration, "metrics": metrics,
+                      "rows_changed": {t: after[t] - before[t] for t in after if after[t] != before[t]}},
+                     indent=2, default=str))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from evertrain.config import PathsConfig
+    from evertrain.data.store import Store
+    from evertrain.report import iteration_report, render_table
+
+    store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
+    rows = iteration_report(store, args.campaign)
+    store.close()
+    if not rows:
+        print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        render_table(rows, f"campaign {args.campaign}")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    import signal
+    import subprocess
+    import time
+
+    from evertrain.config import PathsConfig
+
+    paths = PathsConfig()
+    Path(paths.mlflow_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    bin_dir = Path(sys.executable).parent
+    procs = [
+        subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", args.host,
+                          "--port", str(args.prefect_port)]),
+        subprocess.Popen([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", paths.mlflow_uri,
+                          "--default-artifact-root", Path(paths.artifacts).resolve().as_uri(),
+                          "--host", args.host, "--port", str(args.mlflow_port)]),
+    ]
+    time.sleep(2)
+    print(f"\nPrefect UI: http://{args.host}:{args.prefect_port}\nMLflow UI:  http://{args.host}:{args.mlflow_port}\n"
+          "Ctrl-C stops both.", flush=True)
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    for p in procs:
+        p.wait(timeout=20)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="evertrain", description=__doc__ and
+                                     "Continuous RL post-training of language-model agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a campaign: N iterations, or forever")
+    run.add_argument("--config", help="campaign TOML file (default: the built-in defaults)")
+    run.add_argument("--campaign", help="campaign name (overrides the config's)")
+    run.add_argument("--iterations", type=int, help="how many iterations (omitted: run forever)")
+    run.set_defaults(func=cmd_run)
+
+    stage = sub.add_parser("stage", help="rerun one stage of one iteration (replaces that stage's rows)")
+    stage.add_argument("stage", choices=["curate", "rollout", "score", "update", "evaluate", "promote"])
+    stage.add_argument("--campaign", required=True)
+    stage.add_argument("--iteration", type=int, required=True)
+    stage.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
+    stage.add_argument("--store", help="DuckDB store to find the campaign's config in")
+    stage.set_defaults(func=cmd_stage)
+
+    report = sub.add_parser("report", help="the per-iteration table of a campaign")
+    report.add_argument("--campaign", required=True)
+    report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    report.add_argument("--config", help="campaign TOML file whose paths.store to read")
+    report.add_argument("--store", help="DuckDB store (default data/evertrain.duckdb)")
+    report.set_defaults(func=cmd_report)
+
+    ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--prefect-port", type=int, default=4200)
+    ui.add_argument("--mlflow-port", type=int, default=5000)
+    ui.set_defaults(func=cmd_ui)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _environment()
+    from evertrain.config import ConfigError
+    from evertrain.data.store import StoreError
+    from evertrain.envs.registry import UnknownEnvironment
+    from evertrain.models.policy import ModelError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, StoreError, ModelError, UnknownEnvironment) as error:
+        print(f"evertrain: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("evertrain: interrupted; `evertrain run` resumes at the interrupted stage", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The environment interface: where problems come from and how an answer is verified.
+
+An environment is a domain (``arithmetic``, ``gsm8k``, ``mbpp`` ...). It hands out problems with stable
+content-hash ids, turns a problem into chat messages for the policy, and verifies a completion. Every
+verifier returns a :class:`Verdict`; a verifier must never raise on a bad completion, only on a bad
+problem (a malformed data file is the operator's error, not the policy's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+Split = Literal["train", "eval"]
+
+
+def problem_id(env: str, payload: dict[str, Any]) -> str:
+    """Stable content hash of a problem: the same content always gets the same id."""
+    blob = json.dumps({"env": env, "payload": payload}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One instance: the prompt the policy sees plus what the verifier needs."""
+
+    env: str
+    id: str
+    prompt: str
+    payload: dict[str, Any]
+    split: Split = "train"
+
+    @classmethod
+    def make(cls, env: str, prompt: str, payload: dict[str, Any], split: Split = "train") -> Problem:
+        return cls(env=env, id=problem_id(env, {"prompt": prompt, **payload}), prompt=prompt,
+                   payload=payload, split=split)
+
+
+@dataclass
+class Verdict:
+    """The grade of one completion. ``reason`` is a short machine-readable code."""
+
+    reward: float
+    passed: bool
+    reason: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def fail(cls, reason: str, **detail: Any) -> Verdict:
+        return cls(reward=0.0, passed=False, reason=reason, detail=detail)
+
+    @classmethod
+    def ok(cls, reason: str = "correct", **detail: Any) -> Verdict:
+        return cls(reward=1.0, passed=True, reason=reason, detail=detail)
+
+
+class Environment(ABC):
+    """A domain of verifiable problems. Subclasses set the class attributes and implement three methods."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str]  # "math", "code", "tool" ...
+    source: ClassVar[str]  # where problems come from: "generated", a vendored file ...
+    system_prompt: ClassVar[str] = ""
+    # worked examples shown as earlier chat turns: (user, assistant) pairs
+    examples: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"environment {self.name!r} takes no options, got {sorted(options)}")
+
+    @abstractmethod
+    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
+        """``n`` problems of ``split``, deterministic in ``seed``. Train and eval never share a problem."""
+
+    def count(self, split: Split) -> int | None:
+        """How many problems ``split`` holds, or None when they are generated without end."""
+        return None
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        """The chat the policy answers: system prompt, worked examples, then the problem."""
+        chat: list[dict[str, str]] = []
+        if self.system_prompt:
+            chat.append({"role": "system", "content": self.system_prompt})
+        for user, assistant in self.examples:
+            chat += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        chat.append({"role": "user", "content": problem.prompt})
+        return chat
+
+    @abstractmethod
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        """Grade ``completion``. Never raises because of what the completion contains."""
+
+    def reference(self, problem: Problem) -> str | None:
+        """A completion that must earn reward 1 (used to validate the environment), if one exists."""
+        return None
+
+
+def vendored_path(*parts: str) -> Path:
+    """A file of the data sets vendored in the project's ``data/`` folder (override: EVERTRAIN_DATA_DIR)."""
+    root = Path(os.environ.get("EVERTRAIN_DATA_DIR", Path(__file__).resolve().parents[2] / "data"))
+    path = root.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"vendored data file {path} is missing: is this a complete checkout?")
+    return path

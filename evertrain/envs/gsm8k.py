@@ -1,0 +1,67 @@
+"""``gsm8k``: grade-school math word problems (OpenAI, MIT licence), vendored in ``data/gsm8k``.
+
+The held-out split is fixed by content: a problem is held out when its id (a content hash) falls in
+one tenth of the hash space, so the split never depends on file order and never overlaps training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from functools import cached_property
+from typing import ClassVar
+
+from evertrain.envs.answers import grade_math
+from evertrain.envs.base import Environment, Problem, Split, Verdict, vendored_path
+
+_CALCULATOR = re.compile(r"<<[^>]*>>")
+
+
+class GSM8K(Environment):
+    name: ClassVar[str] = "gsm8k"
+    kind: ClassVar[str] = "math"
+    source: ClassVar[str] = "data/gsm8k/train.jsonl (OpenAI grade-school-math, MIT)"
+    system_prompt: ClassVar[str] = (
+        "Solve the math word problem step by step. "
+        "Give the final answer on the last line as '#### <number>'."
+    )
+    examples: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "Tom has 3 boxes with 4 apples each. He eats 2 apples. How many apples are left?",
+            "3 boxes * 4 apples = 12 apples.\n12 - 2 = 10 apples are left.\n#### 10",
+        ),
+    )
+
+    @cached_property
+    def _splits(self) -> dict[str, list[Problem]]:
+        path = vendored_path("gsm8k", "train.jsonl")
+        splits: dict[str, list[Problem]] = {"train": [], "eval": []}
+        with path.open() as lines:
+            for number, line in enumerate(lines, 1):
+                try:
+                    row = json.loads(line)
+                    question, solution = row["question"], row["answer"]
+                    answer = solution.rsplit("####", 1)[1].strip()
+                except (json.JSONDecodeError, KeyError, IndexError, AttributeError) as error:
+                    raise ValueError(f"{path}:{number}: not a GSM8K row ({error!r})") from None
+                payload = {"answer": answer, "solution": _CALCULATOR.sub("", solution)}
+                problem = Problem.make(self.name, question, payload)
+                split: Split = "eval" if int(problem.id, 16) % 10 == 0 else "train"
+                splits[split].append(Problem(self.name, problem.id, question, payload, split))
+        return splits
+
+    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
+        pool = self._splits[split]
+        if split == "eval":
+            return pool[:n]
+        return random.Random(seed).sample(pool, min(n, len(pool)))
+
+    def count(self, split: Split) -> int | None:
+        return len(self._splits[split])
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        return grade_math(completion, problem.payload["answer"])
+
+    def reference(self, problem: Problem) -> str | None:
+        return problem.payload["solution"]

@@ -1,0 +1,55 @@
+"""The loop as Prefect flows.
+
+``iteration_flow`` is the outline of one pass: curate → rollout → score → update → evaluate → promote.
+Stages already completed for that iteration (in ``stage_runs``) are skipped, so a killed iteration
+resumes at its first unfinished stage. ``campaign_flow`` runs N iterations, or forever, continuing
+after the campaign's last finished iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from evertrain.config import CampaignConfig
+from evertrain.runtime import Runtime, get_runtime
+from evertrain.tasks import STAGE_TASKS, STAGES
+
+
+def next_iteration(rt: Runtime) -> int:
+    """The first iteration with an unfinished stage (0 for a new campaign)."""
+    frame = rt.store.query(
+        """SELECT iteration, count(*) FILTER (WHERE status = 'completed') AS done
+           FROM stage_runs WHERE campaign = ? GROUP BY iteration ORDER BY iteration""",
+        [rt.campaign],
+    )
+    for row in frame.itertuples(index=False):
+        if row.done < len(STAGES):
+            return int(row.iteration)
+    return int(frame["iteration"].max()) + 1 if len(frame) else 0
+
+
+@flow(name="evertrain-iteration", flow_run_name="{config.name}-iteration-{iteration}", log_prints=True)
+def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
+    """One pass of the loop for ``iteration``, resuming at its first unfinished stage."""
+    rt = get_runtime(config)
+    done = rt.store.stage_status(rt.campaign, iteration)
+    metrics: dict[str, Any] = {}
+    for stage in STAGES:
+        if done.get(stage) == "completed":
+            continue
+        metrics[stage] = STAGE_TASKS[stage](config, iteration)
+    return metrics
+
+
+@flow(name="evertrain-campaign", flow_run_name="{config.name}", log_prints=True)
+def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
+    """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
+    rt = get_runtime(config)
+    finished: list[int] = []
+    while iterations is None or len(finished) < iterations:
+        iteration = next_iteration(rt)
+        iteration_flow(config, iteration)
+        finished.append(iteration)
+    return finished

@@ -1,0 +1,367 @@
+"""The policy: where its weights come from, how it samples, and how its checkpoints look on disk.
+
+A checkpoint is a folder with an ``evertrain_checkpoint.json`` manifest naming its kind:
+``base`` (just a reference to the base model), ``lora`` (a peft adapter of a few MB on top of the base)
+or ``full`` (all weights). Every MLflow model version is such a folder, so ``models:/<name>@champion``
+always loads again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from evertrain.config import LoraConfig, ModelConfig
+
+MANIFEST = "evertrain_checkpoint.json"
+SMOLLM2_DIR = "SmolLM2-135M-Instruct"
+TINY_DIR = "tiny-llama"
+
+
+class ModelError(RuntimeError):
+    """A model or checkpoint that cannot be loaded; the message names the path."""
+
+
+def resolve_base(model: ModelConfig) -> str:
+    """A loadable base-model path for ``model.path``, converting or building embedded models once."""
+    if model.path == "embedded:smollm2-135m-instruct":
+        from evertrain.models.convert import convert_smollm2
+
+        return str(convert_smollm2(Path(model.models_dir) / SMOLLM2_DIR).resolve())
+    if model.path == "embedded:tiny":
+        from evertrain.models.tiny import build_tiny_model
+
+        return str(build_tiny_model(Path(model.models_dir) / TINY_DIR).resolve())
+    path = Path(model.path).expanduser()
+    return str(path.resolve()) if path.exists() else model.path
+
+
+def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint) / MANIFEST
+    if not path.exists():
+        raise ModelError(f"{checkpoint} is not an evertrain checkpoint (no {MANIFEST})")
+    return json.loads(path.read_text())
+
+
+def write_base_checkpoint(dest: Path, base_model: str) -> Path:
+    """A checkpoint that only points at the base model: version 1 of every campaign."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / MANIFEST).write_text(json.dumps({"kind": "base", "base_model": base_model}, indent=2))
+    return dest
+
+
+def load_tokenizer(base_model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+    except (OSError, ValueError) as error:
+        raise ModelError(f"cannot load a tokenizer from {base_model!r}: {error}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_base(base_model: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise ModelError(f"cannot load model weights from {base_model!r}: {error}") from None
+
+
+def load_policy(checkpoint: str | Path, *, trainable: bool = False, dtype: torch.dtype = torch.float32,
+                lora: LoraConfig | None = None, finetune: str = "lora") -> tuple[Any, Any]:
+    """Load the policy in ``checkpoint`` and its tokenizer.
+
+    For sampling (``trainable=False``) LoRA adapters are merged into the weights, which makes decoding
+    as fast as the base model. For training a ``base`` checkpoint gets fresh adapters (``finetune='lora'``)
+    or trains all weights (``'full'``).
+    """
+    manifest = read_manifest(checkpoint)
+    kind, base_model = manifest["kind"], manifest["base_model"]
+    tokenizer = load_tokenizer(base_model)
+    model = _load_base(str(checkpoint), dtype) if kind == "full" else _load_base(base_model, dtype)
+    if kind == "lora":
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=trainable)
+        if not trainable:
+            model = model.merge_and_unload()
+    elif kind == "base" and trainable and finetune == "lora":
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        lora = lora or LoraConfig()
+        model = get_peft_model(model, PeftLoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=lora.target_modules, task_type="CAUSAL_LM",
+        ))
+    elif kind not in ("base", "full", "lora"):
+        raise ModelError(f"{checkpoint}: unknown checkpoint kind {kind!r}")
+    model.config.use_cache = not trainable
+    model.train(trainable)
+    return model, tokenizer
+
+
+def save_checkpoint(model: Any, dest: Path, base_model: str, **manifest: Any) -> Path:
+    """Save ``model`` (peft adapter or full weights) as a checkpoint folder at ``dest``."""
+    from peft import PeftModel
+
+    tmp = dest.with_name(dest.name + ".partial")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    kind = "lora" if isinstance(model, PeftModel) else "full"
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / MANIFEST).write_text(json.dumps({"kind": kind, "base_model": base_model, **manifest}, indent=2))
+    if dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    """One sampled completion with what the update needs to compute an importance ratio."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end-of-turn token) or "length"
+    text: str = ""
+
+
+@dataclass
+class SamplingStats:
+    prompt_tokens: int = 0  # prompt tokens computed (once per prompt: the group shares its prefix)
+    cached_prompt_tokens: int = 0  # prompt tokens served from the shared prefix cache
+    completion_tokens: int = 0
+    forward_seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _cache_keyword(model: Any) -> str:
+    # transformers 5 renames forward's `past_key_values` to `cache`; some architectures keep the old name
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def common_prefix_length(rows: list[list[int]]) -> int:
+    """Length of the longest prefix that every row shares."""
+    first = rows[0]
+    length = min(len(row) for row in rows)
+    for row in rows[1:]:
+        i = 0
+        while i < length and row[i] == first[i]:
+            i += 1
+        length = i
+    return length
+
+
+@dataclass
+class Prefill:
+    """The KV cache after reading a batch of prompts, and what decoding from it needs."""
+
+    cache: Any
+    last_logits: torch.Tensor  # [batch, vocab]: the distribution of each prompt's next token
+    mask: torch.Tensor  # [batch, cached length]: 1 where a real token sits, 0 for padding
+    next_position: torch.Tensor  # [batch]: position id of each row's next token
+    computed_tokens: int  # prompt tokens actually run through the model
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep (or repeat) rows by ``index``; gradients flow back to the shared rows."""
+        self.cache.batch_select_indices(index)
+        self.last_logits = self.last_logits[index]
+        self.mask = self.mask[index]
+        self.next_position = self.next_position[index]
+
+
+def prefill(model: Any, prompts: list[list[int]], pad_id: int, min_shared: int = 16) -> Prefill:
+    """Read ``prompts`` into a KV cache, computing their common prefix only once.
+
+    Prompts of one environment share a long prefix (system prompt, worked examples): it is run once
+    for the whole batch and its cache copied to every row, then each row's remainder is read with
+    padding between prefix and remainder (masked out; position ids stay contiguous).
+    Differentiable: under autograd, gradients of every row flow back into the shared prefix.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache_kw = _cache_keyword(model)
+    cache = DynamicCache()
+    shared = common_prefix_length(prompts) if len(prompts) > 1 else 0
+    shared = min(shared, min(len(p) for p in prompts) - 1)  # every row keeps >= 1 token to read
+    computed = 0
+    if shared >= min_shared:
+        head = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
+        model(input_ids=head, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        cache.batch_repeat_interleave(len(prompts))
+        computed += shared
+    else:
+        shared = 0
+    ids, rest_mask = _left_pad([p[shared:] for p in prompts], pad_id)
+    ids, rest_mask = ids.to(device), rest_mask.to(device)
+    mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long, device=device), rest_mask], dim=-1)
+    positions = shared + (rest_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{cache_kw: cache})
+    computed += int(rest_mask.sum())
+    return Prefill(cache=cache, last_logits=out.logits[:, -1, :], mask=mask,
+                   next_position=mask.sum(-1), computed_tokens=computed)
+
+
+@torch.no_grad()
+def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_new_tokens: int,
+           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, batch_size: int = 64,
+           seed: int = 0, progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
+    """Sample ``n`` completions for every prompt (token ids), with each token's log-probability.
+
+    Prompts are read once (their common prefix once for the whole batch, each prompt once for its
+    group of ``n``) and the KV cache is copied; finished sequences leave the batch so the rest decode
+    faster. Log-probs are taken in float32 from ``logits / temperature``: the distribution the
+    update's importance ratio is computed against.
+    """
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    eos = torch.tensor(sorted({tokenizer.eos_token_id, *configured} - {None}))
+    generator = torch.Generator().manual_seed(seed)
+    stats = SamplingStats()
+    results: list[list[Sample]] = [[] for _ in prompts]
+    per_chunk = max(1, batch_size // n)
+    device = next(model.parameters()).device
+    cache_kw = _cache_keyword(model)
+    for start in range(0, len(prompts), per_chunk):
+        chunk = prompts[start:start + per_chunk]
+        began = time.perf_counter()
+        state = prefill(model, chunk, tokenizer.pad_token_id)
+        stats.prompt_tokens += state.computed_tokens
+        stats.cached_prompt_tokens += sum(len(p) for p in chunk) * n - state.computed_tokens
+        if n > 1:
+            state.select(torch.arange(len(chunk), device=device).repeat_interleave(n))
+        cache, mask, positions = state.cache, state.mask, state.next_position
+        logits = state.last_logits.float()
+        batch = logits.shape[0]
+        active = torch.arange(batch)  # which original rows are still decoding
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logps: list[list[float]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        for _step in range(max_new_tokens):
+            scaled = logits if greedy else logits / temperature
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            if greedy:
+                chosen = scaled.argmax(-1)
+            else:
+                filtered = _top_p_filter(scaled, top_p) if top_p < 1.0 else scaled
+                chosen = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
+            chosen_logp = logp_all.gather(-1, chosen[:, None]).squeeze(-1)
+            done = torch.isin(chosen.cpu(), eos)
+            for row, (token, lp, stop) in enumerate(zip(chosen.tolist(), chosen_logp.tolist(), done.tolist(),
+                                                        strict=True)):
+                original = int(active[row])
+                tokens[original].append(token)
+                logps[original].append(lp)
+                if stop:
+                    finish[original] = "stop"
+            keep = ~done
+            if not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                index = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(index.to(device))
+                active, chosen, mask, positions = active[index], chosen[index], mask[index], positions[index]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], dim=-1)
+            out = model(input_ids=chosen[:, None].to(device), attention_mask=mask,
+                        position_ids=positions[:, None].to(device), use_cache=True, **{cache_kw: cache})
+            positions = positions + 1
+            logits = out.logits[:, -1, :].float()
+        stats.forward_seconds += time.perf_counter() - began
+        for row in range(batch):
+            completion = tokens[row]
+            stats.completion_tokens += len(completion)
+            text_ids = completion[:-1] if finish[row] == "stop" else completion
+            results[start + row // n].append(Sample(
+                completion_ids=completion, logprobs=logps[row], finish_reason=finish[row],
+                text=tokenizer.decode(text_ids, skip_special_tokens=True),
+            ))
+        if progress is not None:
+            progress.update(len(chunk) * n)
+    return results, stats
+
+
+def grouped_logprobs(model: Any, prompts: list[list[int]], completions: list[list[list[int]]], *,
+                     temperature: float = 1.0, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of every completion of every group: a [completions, T] tensor and its mask.
+
+    ``prompts[g]`` is group g's prompt and ``completions[g]`` its completions. Each prompt is run once
+    (their common prefix once for all), its cache repeated for the group's completions, so the
+    update costs about what the completions cost, not G copies of the prompt. Rows are the
+    completions in order, right-padded to T.
+    """
+    device = next(model.parameters()).device
+    state = prefill(model, prompts, pad_id)
+    counts = [len(c) for c in completions]
+    state.select(torch.arange(len(prompts), device=device).repeat_interleave(torch.tensor(counts, device=device)))
+    flat = [c for group in completions for c in group]
+    ids, completion_mask = _right_pad(flat, pad_id)
+    ids, completion_mask = ids.to(device), completion_mask.to(device)
+    width = ids.shape[1]
+    mask = torch.cat([state.mask, completion_mask], dim=-1)
+    positions = state.next_position[:, None] + torch.arange(width, device=device)[None, :]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{_cache_keyword(model): state.cache})
+    logits = torch.cat([state.last_logits[:, None, :], out.logits[:, :-1, :]], dim=1).float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+    return logp, completion_mask.bool()
+
+
+def _right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
+def set_threads(threads: int | None) -> None:
+    """Use ``threads`` intra-op threads (default: every core this process may run on)."""
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, ending with the assistant's turn."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,79 @@
+"""The per-iteration report: what each iteration cost and what it bought."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from evertrain.data.store import Store
+
+COLUMNS = [
+    ("iteration", "iter"), ("mean_reward", "mean reward"), ("zero_variance_share", "zero-var groups"),
+    ("pass1_challenger", "challenger pass@1"), ("pass1_champion", "champion pass@1"),
+    ("challenger_version", "challenger"), ("promoted", "promoted"), ("wall_s", "wall s"), ("cpu_s", "cpu s"),
+    ("tokens", "tokens"),
+]
+
+
+def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
+    """One dict per iteration of ``campaign`` with its headline numbers (None where a stage has not run)."""
+    stages = store.query(
+        "SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs WHERE campaign = ? ORDER BY iteration",
+        [campaign],
+    )
+    promotions = store.query("SELECT * FROM promotions WHERE campaign = ?", [campaign]).set_index("iteration")
+    rows: list[dict[str, Any]] = []
+    for iteration, group in stages.groupby("iteration", sort=True):
+        metrics = {row.stage: json.loads(row.metrics or "{}") for row in group.itertuples(index=False)}
+        status = dict(zip(group["stage"], group["status"], strict=True))
+        rollout, score = metrics.get("rollout", {}), metrics.get("score", {})
+        evaluate, update = metrics.get("evaluate", {}), metrics.get("update", {})
+        decision = promotions.loc[iteration] if iteration in promotions.index else None
+        tokens = sum(int(m.get(k, 0) or 0) for m in (rollout,)
+                     for k in ("prompt_tokens", "completion_tokens"))
+        tokens += int(evaluate.get("challenger_completion_tokens", 0) or 0)
+        tokens += int(evaluate.get("champion_completion_tokens", 0) or 0)
+        rows.append({
+            "iteration": int(iteration),
+            "status": "completed" if len(status) == 6 and set(status.values()) == {"completed"} else
+            ", ".join(f"{k}:{v}" for k, v in status.items() if v != "completed") or "partial",
+            "mean_reward": score.get("mean_reward"),
+            "zero_variance_share": score.get("zero_variance_share"),
+            "pass1_challenger": evaluate.get("pass1_challenger"),
+            "pass1_champion": evaluate.get("pass1_champion"),
+            "pass1_by_env": {k.removeprefix("pass1_challenger_"): v for k, v in evaluate.items()
+                             if k.startswith("pass1_challenger_")},
+            "challenger_version": update.get("challenger_version"),
+            "champion_version": None if decision is None else int(decision["champion_version"]),
+            "promoted": None if decision is None else bool(decision["promoted"]),
+            "promotion_reason": None if decision is None else decision["reason"],
+            "wall_s": float(group["wall_s"].fillna(0).sum()),
+            "cpu_s": float(group["cpu_s"].fillna(0).sum()),
+            "tokens": tokens,
+            "trained_sequences": update.get("trained_sequences"),
+            "stage_wall_s": {row.stage: row.wall_s for row in group.itertuples(index=False)},
+        })
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.0f}"
+    return str(value)
+
+
+def render_table(rows: list[dict[str, Any]], title: str) -> None:
+    """Print the report as a table on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for _, header in COLUMNS:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*[_cell(row.get(key)) for key, _ in COLUMNS])
+    Console().print(table)

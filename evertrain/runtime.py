@@ -1,0 +1,148 @@
+"""What every stage of a campaign shares in one process: config, store, tracker, environments, models.
+
+A :class:`Runtime` is opened once per process and config (``get_runtime``), so flows can take only
+the config as their parameter (Prefect shows it as a form) while the DuckDB connection, the MLflow
+client and the resolved base model are reused by every stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evertrain.config import CampaignConfig
+from evertrain.data.store import Store, StoreError, open_store
+from evertrain.envs import registry
+from evertrain.envs.base import Environment
+from evertrain.tracking import Tracker
+
+
+def quiet_libraries() -> None:
+    """No telemetry (nothing here reaches the internet), no hub calls, no per-file progress bars."""
+    for key, value in {
+        "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
+    }.items():
+        os.environ.setdefault(key, value)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def seed_for(*parts: Any) -> int:
+    """A deterministic 31-bit seed from any parts (campaign seed, iteration, environment ...)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Runtime:
+    config: CampaignConfig
+    store: Store
+    tracker: Tracker
+    envs: dict[str, Environment] = field(default_factory=dict)
+    _base_model: str | None = None
+
+    @property
+    def campaign(self) -> str:
+        return self.config.name
+
+    def env(self, name: str) -> Environment:
+        if name not in self.envs:
+            spec = next((s for s in self.config.environments if s.name == name), None)
+            self.envs[name] = registry.get(name, **(spec.options if spec else {}))
+        return self.envs[name]
+
+    @property
+    def base_model(self) -> str:
+        if self._base_model is None:
+            from evertrain.models.policy import resolve_base
+
+            self._base_model = resolve_base(self.config.model)
+        return self._base_model
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        return Path(self.config.paths.checkpoints).resolve() / self.campaign / f"iteration-{iteration}"
+
+    def checkpoint(self, version: int) -> Path:
+        """A local folder holding model version ``version`` (the working copy, else MLflow's artifacts)."""
+        row = self.store.model_version(self.campaign, version)
+        path = Path(row["path"])
+        if path.exists():
+            return path
+        return self.tracker.download(version)
+
+    def trainee_version(self) -> int:
+        state = self.store.campaign_state(self.campaign)
+        if state is None or state["trainee_version"] is None:
+            raise StoreError(f"campaign {self.campaign!r} has no trainee yet: run its first iteration")
+        return int(state["trainee_version"])
+
+    def champion_version(self) -> int:
+        version = self.tracker.alias("champion")
+        if version is None:
+            raise StoreError(f"registered model {self.tracker.model_name!r} has no champion alias")
+        return version
+
+    def ensure_started(self) -> None:
+        """Register the base model as version 1 and first champion, and make it the trainee (once)."""
+        if self.store.campaign_state(self.campaign) is not None:
+            return
+        from evertrain.models.policy import write_base_checkpoint
+
+        self.tracker.ensure_registered_model()
+        existing = self.tracker.alias("champion")
+        if existing is None:
+            base_dir = write_base_checkpoint(self.checkpoint_dir(-1).with_name("base"), self.base_model)
+            version = self.tracker.register(base_dir, run_id=None, iteration=None)
+            self.tracker.set_alias("champion", version)
+            path = str(base_dir)
+        else:  # the store was reset but MLflow remembers: keep MLflow's champion
+            version, path = existing, str(self.tracker.download(existing))
+        from evertrain.data.store import now
+
+        self.store.replace("model_versions", {"campaign": self.campaign, "version": version}, [{
+            "campaign": self.campaign, "version": version, "iteration": -1, "kind": "base", "path": path,
+            "parent_version": None, "created_at": now(),
+        }])
+        self.store.set_campaign_state(self.campaign, trainee_version=version)
+
+
+_runtimes: dict[str, Runtime] = {}
+_lock = threading.Lock()
+
+
+def get_runtime(config: CampaignConfig) -> Runtime:
+    """The process's runtime for ``config`` (one store connection and tracker per config)."""
+    quiet_libraries()
+    key = config.model_dump_json()
+    with _lock:
+        if key not in _runtimes:
+            from evertrain.models.policy import set_threads
+
+            set_threads(config.torch_threads)
+            _runtimes[key] = Runtime(config=config, store=open_store(config.paths.store), tracker=Tracker(config))
+        return _runtimes[key]
+
+
+def release_runtimes() -> None:
+    """Close every store connection this process holds (so another process can open the files)."""
+    from evertrain.data.store import close_store
+
+    with _lock:
+        for runtime in _runtimes.values():
+            close_store(runtime.config.paths.store)
+        _runtimes.clear()

@@ -1,0 +1,153 @@
+"""Stage 6, promote: move ``champion`` to the challenger only if it is better on the same problems.
+
+The gate is a paired bootstrap over the held-out problems (resampled within each environment): the
+challenger is promoted when the probability that its mean pass@1 beats the champion's reaches
+``promotion.confidence``, its gain exceeds ``promotion.min_gain``, and no environment drops by more
+than ``promotion.max_regression``. The decision and its numbers go to DuckDB, MLflow tags and a
+Prefect markdown artifact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from evertrain.config import CampaignConfig, PromotionConfig
+from evertrain.data.store import now, to_json
+from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.tasks.base import run_stage
+from evertrain.tasks.evaluate import challenger_of, champion_of
+
+
+def paired_bootstrap(challenger: np.ndarray, champion: np.ndarray, strata: np.ndarray, samples: int,
+                     seed: int) -> dict[str, float]:
+    """Gain of challenger over champion on paired per-problem scores, with a stratified bootstrap."""
+    diff = challenger.astype(float) - champion.astype(float)
+    rng = np.random.default_rng(seed)
+    totals = np.zeros(samples)
+    for stratum in np.unique(strata):
+        values = diff[strata == stratum]
+        picks = rng.integers(0, len(values), size=(samples, len(values)))
+        totals += values[picks].sum(axis=1)
+    means = totals / len(diff)
+    return {
+        "gain": float(diff.mean()), "p_better": float((means > 0).mean()),
+        "gain_low": float(np.quantile(means, 0.025)), "gain_high": float(np.quantile(means, 0.975)),
+    }
+
+
+def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int) -> dict[str, Any]:
+    """The promotion decision from paired eval rows (columns: problem_id, env, challenger, champion)."""
+    test = paired_bootstrap(frame["challenger"].to_numpy(), frame["champion"].to_numpy(),
+                            frame["env"].to_numpy(), rule.bootstrap_samples, seed)
+    per_env = {
+        env: {"challenger": float(g["challenger"].mean()), "champion": float(g["champion"].mean()),
+              "problems": len(g)}
+        for env, g in frame.groupby("env")
+    }
+    regressed = {env: v["champion"] - v["challenger"] for env, v in per_env.items()
+                 if v["champion"] - v["challenger"] > rule.max_regression}
+    if regressed:
+        worst = max(regressed, key=regressed.get)
+        promoted = False
+        reason = f"kept champion: {worst} regressed by {regressed[worst]:.3f} > {rule.max_regression:.3f}"
+    elif test["gain"] <= rule.min_gain:
+        promoted = False
+        reason = f"kept champion: gain {test['gain']:+.3f} is not above {rule.min_gain:.3f}"
+    elif test["p_better"] < rule.confidence:
+        promoted = False
+        reason = f"kept champion: P(better) = {test['p_better']:.3f} < {rule.confidence:.3f}"
+    else:
+        promoted = True
+        reason = (f"promoted: gain {test['gain']:+.3f} (95% CI [{test['gain_low']:+.3f}, "
+                  f"{test['gain_high']:+.3f}]), P(better) = {test['p_better']:.3f} >= {rule.confidence:.3f}")
+    return {"promoted": promoted, "reason": reason, "per_env": per_env, **test}
+
+
+def _consecutive_failures(rt: Runtime, iteration: int) -> int:
+    earlier = rt.store.query(
+        "SELECT promoted, reset_trainee FROM promotions WHERE campaign = ? AND iteration < ? ORDER BY iteration DESC",
+        [rt.campaign, iteration],
+    )
+    count = 0
+    for row in earlier.itertuples(index=False):
+        if row.promoted or row.reset_trainee:
+            break
+        count += 1
+    return count
+
+
+def _publish_artifacts(rt: Runtime, iteration: int, decision: dict[str, Any], challenger: int,
+                       champion: int) -> None:
+    from evertrain.tasks.base import current_flow_run_id
+
+    if current_flow_run_id() is None:
+        return
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = f"{rt.campaign}-iteration-{iteration}".lower().replace("_", "-")
+    rows = [{"environment": env, "challenger pass@1": round(v["challenger"], 4),
+             "champion pass@1": round(v["champion"], 4), "problems": v["problems"]}
+            for env, v in decision["per_env"].items()]
+    create_table_artifact(rows, key=f"{key}-eval", description=f"Held-out pass@1, iteration {iteration}")
+    create_markdown_artifact(
+        f"## Promotion, iteration {iteration}\n\n**{'Promoted' if decision['promoted'] else 'Not promoted'}**: "
+        f"challenger v{challenger} vs champion v{champion}\n\n{decision['reason']}\n\n"
+        f"| metric | value |\n|---|---|\n| gain | {decision['gain']:+.4f} |\n"
+        f"| 95% CI | [{decision['gain_low']:+.4f}, {decision['gain_high']:+.4f}] |\n"
+        f"| P(better) | {decision['p_better']:.4f} |\n",
+        key=f"{key}-promotion", description=f"Promotion decision, iteration {iteration}",
+    )
+
+
+def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
+    rule = rt.config.promotion
+    challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
+    evals = rt.store.query(
+        "SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ?",
+        [rt.campaign, iteration],
+    )
+    if evals.empty or challenger not in set(evals["model_version"]):
+        raise RuntimeError(f"iteration {iteration} has no evaluation of v{challenger}: run evaluate first")
+    scores = evals.pivot_table(index=["problem_id", "env"], columns="model_version", values="reward").reset_index()
+    scores["challenger"] = scores[challenger]
+    scores["champion"] = scores[champion] if champion in scores else scores[challenger]
+    decision = decide(scores, rule, seed_for(rt.config.seed, iteration, "promote"))
+    if challenger == champion:
+        decision.update(promoted=False, reason="kept champion: the challenger is the champion")
+
+    failures = 0 if decision["promoted"] else _consecutive_failures(rt, iteration) + 1
+    reset = bool(rule.reset_after_failures) and failures >= rule.reset_after_failures
+    if decision["promoted"]:
+        rt.tracker.set_alias("champion", challenger)
+        rt.tracker.set_alias("previous_champion", champion)
+    new_champion = challenger if decision["promoted"] else champion
+    if reset:
+        rt.store.set_campaign_state(rt.campaign, trainee_version=new_champion)
+        decision["reason"] += f"; trainee reset to champion v{new_champion} after {failures} failed gates"
+    rt.store.replace("promotions", {"campaign": rt.campaign, "iteration": iteration}, [{
+        "campaign": rt.campaign, "iteration": iteration, "challenger_version": challenger,
+        "champion_version": champion, "promoted": decision["promoted"],
+        "challenger_pass1": float(scores["challenger"].mean()), "champion_pass1": float(scores["champion"].mean()),
+        "p_better": decision["p_better"], "gain_low": decision["gain_low"], "gain_high": decision["gain_high"],
+        "per_env": to_json(decision["per_env"]), "reason": decision["reason"], "reset_trainee": reset,
+        "decided_at": now(),
+    }])
+    run_id = rt.tracker.run_id(iteration)
+    rt.tracker.set_tags(run_id, {
+        "promotion.promoted": decision["promoted"], "promotion.reason": decision["reason"],
+        "promotion.challenger_version": challenger, "promotion.champion_version": champion,
+    })
+    _publish_artifacts(rt, iteration, decision, challenger, champion)
+    return {"promoted": float(decision["promoted"]), "gain": decision["gain"], "p_better": decision["p_better"],
+            "gain_low": decision["gain_low"], "gain_high": decision["gain_high"],
+            "champion_version": new_champion, "failed_gates": failures, "reset_trainee": float(reset)}
+
+
+@task(name="promote", cache_policy=NO_CACHE)
+def promote_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
+    return run_stage(get_runtime(config), "promote", iteration, promote)

@@ -1,0 +1,71 @@
+"""Stage 2, rollout: the trainee samples G completions for every curated problem.
+
+Each rollout row keeps what the update needs to correct for staleness: the token ids, the log-prob
+of every sampled token, and the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pandas as pd
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from evertrain.config import CampaignConfig
+from evertrain.data.store import now, to_json
+from evertrain.models.policy import encode_chat, load_policy, sample
+from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.tasks.base import progress, run_stage
+
+
+def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
+    config = rt.config
+    problems = rt.store.query(
+        "SELECT problem_id, env, messages FROM problems WHERE campaign = ? AND iteration = ? ORDER BY problem_id",
+        [rt.campaign, iteration],
+    )
+    if problems.empty:
+        raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
+    version = rt.trainee_version()
+    dtype = getattr(torch, config.model.rollout_dtype)
+    model, tokenizer = load_policy(rt.checkpoint(version), dtype=dtype)
+    prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
+    G, gen = config.group_size, config.generation
+    began = time.perf_counter()
+    with progress(len(prompts) * G, f"rollout  i={iteration}", "completion") as bar:
+        groups, stats = sample(
+            model, tokenizer, prompts, G, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+            top_p=gen.top_p, batch_size=gen.batch_size, seed=seed_for(config.seed, iteration, "rollout"),
+            progress=bar,
+        )
+    seconds = time.perf_counter() - began
+    rows = []
+    stamp = now()
+    for (problem_id, env, _), prompt_ids, group in zip(problems.itertuples(index=False), prompts, groups,
+                                                        strict=True):
+        prompt_text = tokenizer.decode(prompt_ids)
+        for index, s in enumerate(group):
+            rows.append({
+                "campaign": rt.campaign, "iteration": iteration, "problem_id": problem_id, "sample": index,
+                "env": env, "policy_version": version, "prompt_text": prompt_text, "completion": s.text,
+                "prompt_ids": prompt_ids, "completion_ids": s.completion_ids, "logprobs": s.logprobs,
+                "turns": to_json([{"role": "assistant", "content": s.text}]), "finish_reason": s.finish_reason,
+                "prompt_tokens": len(prompt_ids), "completion_tokens": len(s.completion_ids),
+                "generated_at": stamp,
+            })
+    rt.store.replace("rollouts", {"campaign": rt.campaign, "iteration": iteration}, pd.DataFrame(rows))
+    return {
+        "policy_version": version, "completions": len(rows), "prompt_tokens": stats.prompt_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens, "completion_tokens": stats.completion_tokens,
+        "model_s": stats.forward_seconds, "tokens_per_s": stats.completion_tokens / max(seconds, 1e-9),
+        "truncated_share": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+    }
+
+
+@task(name="rollout", cache_policy=NO_CACHE)
+def rollout_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
+    return run_stage(get_runtime(config), "rollout", iteration, rollout)

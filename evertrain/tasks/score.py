@@ -1,0 +1,68 @@
+"""Stage 3, score: grade every rollout of the iteration with its environment's verifier.
+
+Rewards and verdicts are written onto the rollout rows; sandboxed graders add one audit row per
+sandboxed process to ``sandbox_runs``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pandas as pd
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from evertrain.config import CampaignConfig
+from evertrain.data.store import now, to_json
+from evertrain.envs.base import Problem
+from evertrain.runtime import Runtime, get_runtime
+from evertrain.scoring import pop_sandbox_runs, verify_many
+from evertrain.tasks.base import progress, run_stage
+
+
+def score(rt: Runtime, iteration: int) -> dict[str, Any]:
+    frame = rt.store.query(
+        """SELECT r.problem_id, r.sample, r.env, r.completion, p.prompt, p.payload
+           FROM rollouts r JOIN problems p USING (campaign, iteration, problem_id)
+           WHERE r.campaign = ? AND r.iteration = ? ORDER BY r.problem_id, r.sample""",
+        [rt.campaign, iteration],
+    )
+    if frame.empty:
+        raise RuntimeError(f"iteration {iteration} has no rollouts: run the rollout stage first")
+    items = [
+        (rt.env(row.env), Problem(row.env, row.problem_id, row.prompt, json.loads(row.payload)), row.completion)
+        for row in frame.itertuples(index=False)
+    ]
+    with progress(len(items), f"score    i={iteration}", "grade") as bar:
+        verdicts = verify_many(items, progress=bar)
+    stamp = now()
+    audit: list[dict[str, Any]] = []
+    for verdict in verdicts:
+        for run in pop_sandbox_runs(verdict):
+            audit.append({**run, "campaign": rt.campaign, "iteration": iteration})
+    scores = pd.DataFrame({
+        "problem_id": frame["problem_id"], "sample": frame["sample"],
+        "reward": [v.reward for v in verdicts], "passed": [v.passed for v in verdicts],
+        "reason": [v.reason for v in verdicts], "detail": [to_json(v.detail) for v in verdicts],
+        "scored_at": stamp,
+    })
+    rt.store.update_rollout_scores(rt.campaign, iteration, scores)
+    if audit:
+        rt.store.append("sandbox_runs", audit)
+    frame["reward"] = scores["reward"].to_numpy()
+    spread = frame.groupby("problem_id")["reward"].agg(lambda r: r.max() - r.min())
+    metrics: dict[str, Any] = {
+        "mean_reward": float(frame["reward"].mean()),
+        "pass_rate": float(scores["passed"].mean()),
+        "zero_variance_share": float((spread == 0).mean()),
+        "sandbox_runs": len(audit),
+    }
+    for env, rewards in frame.groupby("env")["reward"]:
+        metrics[f"mean_reward_{env}"] = float(rewards.mean())
+    return metrics
+
+
+@task(name="score", cache_policy=NO_CACHE)
+def score_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
+    return run_stage(get_runtime(config), "score", iteration, score)

@@ -1,0 +1,147 @@
+"""MLflow: one experiment per campaign, one run per iteration, one registered model per campaign.
+
+Aliases in the registry are the truth about which version is ``champion``, ``challenger`` and
+``previous_champion``. Model versions point at checkpoint folders logged as run artifacts, so
+``models:/evertrain-<campaign>@champion`` always resolves to something :func:`load_policy` can load.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from evertrain.config import CampaignConfig
+
+ITERATION_TAG = "evertrain.iteration"
+
+
+class Tracker:
+    """The campaign's view of MLflow, through one ``MlflowClient`` (no global active-run state)."""
+
+    def __init__(self, config: CampaignConfig) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        uri = config.paths.mlflow_uri
+        if uri.startswith("sqlite:///"):
+            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(uri)
+        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        self.config = config
+        self.model_name = config.registered_model
+        self.artifact_root = Path(config.paths.artifacts).resolve() / config.name
+        experiment = self.client.get_experiment_by_name(config.experiment)
+        if experiment is None:
+            self.artifact_root.mkdir(parents=True, exist_ok=True)
+            self.experiment_id = self.client.create_experiment(
+                config.experiment, artifact_location=self.artifact_root.as_uri(),
+                tags={"evertrain.campaign": config.name},
+            )
+        else:
+            self.experiment_id = experiment.experiment_id
+
+    # --- runs ------------------------------------------------------------------------------------
+    def iteration_run(self, iteration: int, flow_run_id: str | None = None) -> tuple[str, str | None]:
+        """The MLflow run of ``iteration`` (created on first use, continued after) and its previous status."""
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{ITERATION_TAG}` = '{iteration}'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        previous = None
+        if runs:
+            run_id, previous = runs[0].info.run_id, runs[0].info.status
+            if previous != "RUNNING":
+                self.client.update_run(run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(
+                self.experiment_id, run_name=f"iteration-{iteration}",
+                tags={ITERATION_TAG: str(iteration), "evertrain.campaign": self.config.name},
+            )
+            run_id = run.info.run_id
+            self.client.log_dict(run_id, self.config.model_dump(mode="json"), "config.json")
+        if flow_run_id:
+            self.client.set_tag(run_id, "prefect.flow_run_id", flow_run_id)
+        return run_id, previous
+
+    def run_id(self, iteration: int) -> str:
+        """The run of ``iteration`` without changing its status (it must exist)."""
+        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{ITERATION_TAG}` = '{iteration}'",
+                                       order_by=["attributes.start_time DESC"], max_results=1)
+        if not runs:
+            raise LookupError(f"no MLflow run for iteration {iteration}")
+        return runs[0].info.run_id
+
+    def finish_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        batch = [Metric(key, float(value), stamp, step) for key, value in metrics.items()
+                 if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(run_id, key, str(value))
+
+    # --- registry ----------------------------------------------------------------------------------
+    def ensure_registered_model(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.model_name)
+        except MlflowException:
+            self.client.create_registered_model(
+                self.model_name, tags={"evertrain.campaign": self.config.name},
+                description=f"Policy versions of evertrain campaign {self.config.name!r}.",
+            )
+
+    def register(self, checkpoint: Path, run_id: str | None, iteration: int | None,
+                 exclude: tuple[str, ...] = ("optimizer.pt",)) -> int:
+        """Log ``checkpoint`` as artifacts and register it as a new model version; returns the version."""
+        self.ensure_registered_model()
+        name = f"iteration-{iteration}" if iteration is not None else "base"
+        if run_id is not None:
+            staging = checkpoint.with_name(checkpoint.name + ".mlflow")
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(checkpoint, staging, ignore=shutil.ignore_patterns(*exclude))
+            self.client.log_artifacts(run_id, str(staging), "checkpoint")
+            shutil.rmtree(staging)
+            source = f"{self.client.get_run(run_id).info.artifact_uri}/checkpoint"
+        else:
+            target = self.artifact_root / "registry" / name
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(checkpoint, target, ignore=shutil.ignore_patterns(*exclude))
+            source = target.as_uri()
+        tags = {"evertrain.iteration": str(iteration)} if iteration is not None else {"evertrain.base": "true"}
+        version = self.client.create_model_version(self.model_name, source=source, run_id=run_id, tags=tags)
+        return int(version.version)
+
+    def alias(self, alias: str) -> int | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return int(self.client.get_model_version_by_alias(self.model_name, alias).version)
+        except MlflowException:
+            return None
+
+    def set_alias(self, alias: str, version: int) -> None:
+        self.client.set_registered_model_alias(self.model_name, alias, str(version))
+
+    def delete_version(self, version: int) -> None:
+        self.client.delete_model_version(self.model_name, str(version))
+
+    def download(self, version: int) -> Path:
+        import mlflow
+
+        source = self.client.get_model_version(self.model_name, str(version)).source
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source))

@@ -1,0 +1,66 @@
+"""Bad input gets a clear error naming the problem, and nothing is written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evertrain.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_configs_load():
+    assert load_config(ROOT / "configs" / "default.toml").model.path == "embedded:smollm2-135m-instruct"
+    smoke = load_config(ROOT / "configs" / "smoke.toml")
+    assert smoke.model.path == "embedded:tiny" and smoke.group_size >= 2
+
+
+@pytest.mark.parametrize(("data", "field", "words"), [
+    ({"update": {"learning_rate": -1e-4}}, "update.learning_rate", "greater than 0"),
+    ({"environments": [{"name": "chess"}]}, "environments", "unknown environment 'chess'"),
+    ({"group_size": 1}, "group_size", "greater than or equal to 2"),
+    ({"model": {"path": "/nonexistent/model"}}, "model.path", "does not exist"),
+    ({"environments": [{"name": "arithmetic", "weight": 0}]}, "environments.0.weight", "greater than 0"),
+    ({"name": "no spaces"}, "name", "letters, digits"),
+    ({"update": {"learnig_rate": 1e-4}}, "update.learnig_rate", "Extra inputs"),
+])
+def test_bad_values_name_the_field(data, field, words):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    message = str(caught.value)
+    assert f"{field}:" in message and words in message
+
+
+def test_corrupt_toml_is_named(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[update\nlearning_rate = 1\n')
+    with pytest.raises(ConfigError, match=r"bad\.toml is not valid TOML"):
+        load_config(bad)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("body", [
+    '[update]\nlearning_rate = -0.1\n',
+    '[[environments]]\nname = "nope"\n',
+    'group_size = 1\n',
+    '[model]\npath = "/no/such/model"\n',
+    'name = "x"\n[update\n',
+])
+def test_cli_refuses_bad_config_and_writes_nothing(tmp_path, body):
+    config = tmp_path / "campaign.toml"
+    config.write_text(body)
+    result = subprocess.run(
+        [sys.executable, "-m", "evertrain.cli", "run", "--config", str(config), "--iterations", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "evertrain: error:" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["campaign.toml"]  # no store, no mlflow, nothing
