@@ -65,6 +65,9 @@ class EnvironmentSpec(_Strict):
     name: str = Field(description="A registered environment: 'arithmetic', 'gsm8k', 'mbpp', 'rg:<generator>' ...")
     weight: float = Field(1.0, gt=0, description="Relative share of each iteration's problems.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options passed to the environment.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=32768, description="Completion length limit for this environment (default: generation's)."
+    )
 
 
 class GenerationConfig(_Strict):
@@ -178,6 +181,15 @@ class CampaignConfig(_Strict):
         for spec in specs:
             registry.check_name(spec.name)
         return specs
+
+    def max_new_tokens(self, env: str, evaluation: bool = False) -> int:
+        """The completion length limit for ``env`` (its own, else the eval or generation default)."""
+        spec = next((s for s in self.environments if s.name == env), None)
+        if spec is not None and spec.max_new_tokens is not None:
+            return spec.max_new_tokens
+        if evaluation and self.eval.max_new_tokens is not None:
+            return self.eval.max_new_tokens
+        return self.generation.max_new_tokens
 
     @property
     def registered_model(self) -> str:

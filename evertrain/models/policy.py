@@ -12,7 +12,7 @@ import inspect
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,12 @@ class SamplingStats:
     cached_prompt_tokens: int = 0  # prompt tokens served from the shared prefix cache
     completion_tokens: int = 0
     forward_seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: SamplingStats) -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_prompt_tokens += other.cached_prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.forward_seconds += other.forward_seconds
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

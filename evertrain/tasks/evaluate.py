@@ -63,20 +63,23 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
     stamp = now()
     rows = [{**reused[p.id], "iteration": iteration, "role": role, "reused_from": reused[p.id]["iteration"],
              "created_at": stamp} for p in problems if p.id in reused]
-    todo = [p for p in problems if p.id not in reused]
+    todo = sorted((p for p in problems if p.id not in reused), key=lambda p: p.env)
     stats = {"generated": float(len(todo)), "reused": float(len(rows)), "completion_tokens": 0.0, "model_s": 0.0}
     if todo:
         model, tokenizer = load_policy(rt.checkpoint(version), dtype=getattr(torch, config.model.rollout_dtype))
-        prompts = [encode_chat(tokenizer, rt.env(p.env).messages(p)) for p in todo]
         began = time.perf_counter()
+        completions = []
         with progress(len(todo), f"evaluate i={iteration} v{version}", "problem") as bar:
-            groups, sampling = sample(
-                model, tokenizer, prompts, 1, greedy=True, batch_size=config.generation.batch_size,
-                max_new_tokens=config.eval.max_new_tokens or config.generation.max_new_tokens, progress=bar,
-            )
+            for env in sorted({p.env for p in todo}):
+                batch = [p for p in todo if p.env == env]
+                groups, sampling = sample(
+                    model, tokenizer, [encode_chat(tokenizer, rt.env(env).messages(p)) for p in batch], 1,
+                    greedy=True, batch_size=config.generation.batch_size,
+                    max_new_tokens=config.max_new_tokens(env, evaluation=True), progress=bar,
+                )
+                completions += [group[0] for group in groups]
+                stats["completion_tokens"] += sampling.completion_tokens
         stats["model_s"] = time.perf_counter() - began
-        stats["completion_tokens"] = float(sampling.completion_tokens)
-        completions = [group[0] for group in groups]
         verdicts = verify_many([(rt.env(p.env), p, c.text) for p, c in zip(todo, completions, strict=True)])
         for p, c, v in zip(todo, completions, verdicts, strict=True):
             v.detail.pop("sandbox_runs", None)

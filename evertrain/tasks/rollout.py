@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
-from evertrain.models.policy import encode_chat, load_policy, sample
+from evertrain.models.policy import Sample, SamplingStats, encode_chat, load_policy, sample
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 
@@ -25,7 +25,7 @@ from evertrain.tasks.base import progress, run_stage
 def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
     config = rt.config
     problems = rt.store.query(
-        "SELECT problem_id, env, messages FROM problems WHERE campaign = ? AND iteration = ? ORDER BY problem_id",
+        "SELECT problem_id, env, messages FROM problems WHERE campaign = ? AND iteration = ? ORDER BY env, problem_id",
         [rt.campaign, iteration],
     )
     if problems.empty:
@@ -36,12 +36,18 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
     G, gen = config.group_size, config.generation
     began = time.perf_counter()
+    groups: list[list[Sample]] = []
+    stats = SamplingStats()
     with progress(len(prompts) * G, f"rollout  i={iteration}", "completion") as bar:
-        groups, stats = sample(
-            model, tokenizer, prompts, G, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-            top_p=gen.top_p, batch_size=gen.batch_size, seed=seed_for(config.seed, iteration, "rollout"),
-            progress=bar,
-        )
+        # one environment at a time: similar lengths decode together, each with its own length limit
+        for env, rows in problems.groupby("env", sort=True).indices.items():
+            env_groups, env_stats = sample(
+                model, tokenizer, [prompts[i] for i in rows], G, max_new_tokens=config.max_new_tokens(env),
+                temperature=gen.temperature, top_p=gen.top_p, batch_size=gen.batch_size,
+                seed=seed_for(config.seed, iteration, "rollout", env), progress=bar,
+            )
+            groups += env_groups
+            stats.merge(env_stats)
     seconds = time.perf_counter() - began
     rows = []
     stamp = now()

@@ -98,6 +98,7 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
     steps, stats_sum, losses, grad_norms = 0, {}, [], []
     model_seconds = 0.0
     temperature, pad = config.generation.temperature, tokenizer.pad_token_id
+    longest = max(config.max_new_tokens(spec.name) for spec in config.environments)
     schedule = []
     for _epoch in range(cfg.epochs if groups else 0):
         order = groups[:]
@@ -107,7 +108,7 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
         for minibatch in schedule:
             members = [m for g in minibatch for m in g.members]
             norm = LossNorm(sequences=len(members), tokens=sum(len(m[0]) for m in members),
-                            max_completion_length=config.generation.max_new_tokens)
+                            max_completion_length=longest)
             optimizer.zero_grad(set_to_none=True)
             began = time.perf_counter()
             total = 0.0

@@ -1,0 +1,59 @@
+"""Shared by the benchmarks: where results go and what machine made them."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """The machine a number was measured on."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = None
+    try:
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cores": len(os.sched_getaffinity(0)), "memory_gib": memory_gib, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "gpu": torch.cuda.get_device_name(0)
+            if torch.cuda.is_available() else None}
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` with the command line, machine and date to benchmarks/results/<name>.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": datetime.now(UTC).isoformat(),
+              "machine": machine(), **payload}
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """A plain aligned table on stdout."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+        return str(value)
+
+    widths = {c: max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(cell(row.get(c, "")).rjust(widths[c]) for c in columns))
