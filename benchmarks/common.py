@@ -23,11 +23,7 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    memory_gib = None
-    try:
-        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
+    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     import torch
 
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
