@@ -100,6 +100,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollback(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from evertrain.runtime import get_runtime
+    from evertrain.tasks.promote import rollback
+
+    result = rollback(get_runtime(config), args.to, reason=args.reason)
+    print(f"campaign {result['campaign']!r}: champion is now v{result['champion']} (previous_champion "
+          f"v{result['previous_champion']}); the next iteration samples from v{result['trainee']}")
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     import signal
     import subprocess
@@ -157,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--config", help="campaign TOML file whose paths.store to read")
     report.add_argument("--store", help="DuckDB store (default data/evertrain.duckdb)")
     report.set_defaults(func=cmd_report)
+
+    back = sub.add_parser("rollback", help="move champion back to previous_champion (or --to VERSION)")
+    back.add_argument("--campaign", required=True)
+    back.add_argument("--to", type=int, help="the model version to restore (default: previous_champion)")
+    back.add_argument("--reason", default="manual rollback", help="recorded in the rollbacks table")
+    back.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
+    back.add_argument("--store", help="DuckDB store to find the campaign's config in")
+    back.set_defaults(func=cmd_rollback)
 
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--host", default="127.0.0.1")

@@ -40,6 +40,7 @@ class ModelConfig(_Strict):
         "bfloat16", description="Precision for sampling; the loss and the ratio's log-probs stay float32."
     )
     models_dir: str = Field("models", description="Where embedded models are converted or built.")
+    device: str = Field("auto", description="'auto' (a GPU when there is one, else the CPU), 'cpu', 'cuda:1' ...")
 
     @field_validator("path")
     @classmethod
@@ -136,6 +137,17 @@ class PromotionConfig(_Strict):
     )
 
 
+class PricesConfig(_Strict):
+    """What compute costs, to turn each stage's seconds and tokens into dollars."""
+
+    cpu_core_hour: float = Field(0.05, ge=0, description="$ per CPU-core-hour (a cloud vCPU is about $0.03-0.05).")
+    gpu_hour: float = Field(2.5, ge=0, description="$ per GPU-hour.")
+    million_tokens: float = Field(
+        0.0, ge=0, description="$ per million tokens computed (set when sampling runs on a priced endpoint).")
+    million_cached_tokens: float = Field(
+        0.0, ge=0, description="$ per million prompt tokens served from the prefix cache.")
+
+
 class PathsConfig(_Strict):
     """Where state lives. Relative paths are resolved against the working directory."""
 
@@ -161,6 +173,7 @@ class CampaignConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
+    prices: PricesConfig = Field(default_factory=PricesConfig)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
 
     @field_validator("name")

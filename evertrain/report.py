@@ -11,7 +11,7 @@ COLUMNS = [
     ("iteration", "iter"), ("mean_reward", "mean reward"), ("zero_variance_share", "zero-var groups"),
     ("pass1_challenger", "challenger pass@1"), ("pass1_champion", "champion pass@1"),
     ("challenger_version", "challenger"), ("promoted", "promoted"), ("wall_s", "wall s"), ("cpu_s", "cpu s"),
-    ("tokens", "tokens"),
+    ("tokens", "tokens"), ("dollars", "$"),
 ]
 
 
@@ -51,8 +51,21 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "cpu_s": float(group["cpu_s"].fillna(0).sum()),
             "tokens": tokens,
             "trained_sequences": update.get("trained_sequences"),
+            "gpu_s": sum(float(m.get("gpu_s", 0) or 0) for m in metrics.values()),
+            "cached_prompt_tokens": int(rollout.get("cached_prompt_tokens", 0) or 0),
+            "dollars": sum(float(m.get("dollars", 0) or 0) for m in metrics.values()),
+            "points_gained": metrics.get("promote", {}).get("points_gained"),
             "stage_wall_s": {row.stage: row.wall_s for row in group.itertuples(index=False)},
         })
+    base = next((r["pass1_champion"] for r in rows if r["pass1_champion"] is not None), None)
+    spent = 0.0
+    for row in rows:
+        spent += row["dollars"]
+        current = row["pass1_challenger"] if row["promoted"] else row["pass1_champion"]
+        row["cumulative_dollars"] = spent
+        row["points_gained_total"] = None if base is None or current is None else 100 * (current - base)
+        row["points_per_dollar_total"] = (row["points_gained_total"] / spent
+                                          if spent and row["points_gained_total"] is not None else None)
     return rows
 
 
@@ -62,6 +75,8 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
+        if 0 < abs(value) < 0.01:
+            return f"{value:.2g}"
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.0f}"
     return str(value)
 

@@ -137,6 +137,13 @@ class Tracker:
     def set_alias(self, alias: str, version: int) -> None:
         self.client.set_registered_model_alias(self.model_name, alias, str(version))
 
+    def versions_of(self, iteration: int) -> list[int]:
+        """Model versions registered by the update of ``iteration`` (a rerun or a crash may leave several)."""
+        self.ensure_registered_model()
+        found = self.client.search_model_versions(
+            f"name = '{self.model_name}' and tags.`evertrain.iteration` = '{iteration}'")
+        return sorted(int(v.version) for v in found)
+
     def delete_version(self, version: int) -> None:
         self.client.delete_model_version(self.model_name, str(version))
 

@@ -20,6 +20,8 @@ from typing import Any
 import duckdb
 import pandas as pd
 
+from evertrain import faults
+
 SCHEMA_VERSION = 1
 
 SCHEMA = """
@@ -81,6 +83,11 @@ CREATE TABLE IF NOT EXISTS campaign_state (
     campaign VARCHAR PRIMARY KEY, trainee_version INTEGER, updated_at TIMESTAMPTZ
 );
 
+CREATE TABLE IF NOT EXISTS rollbacks (
+    campaign VARCHAR, rolled_back_at TIMESTAMPTZ, from_version INTEGER, to_version INTEGER, reason VARCHAR,
+    PRIMARY KEY (campaign, rolled_back_at)
+);
+
 CREATE TABLE IF NOT EXISTS sandbox_runs (
     run_id VARCHAR PRIMARY KEY, campaign VARCHAR, iteration INTEGER, purpose VARCHAR,
     code_sha256 VARCHAR, limits JSON, exit_code INTEGER, signal INTEGER,
@@ -90,7 +97,7 @@ CREATE TABLE IF NOT EXISTS sandbox_runs (
 """
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
-          "campaigns", "campaign_state", "sandbox_runs")
+          "campaigns", "campaign_state", "rollbacks", "sandbox_runs")
 
 
 class StoreError(RuntimeError):
@@ -159,6 +166,7 @@ class Store:
             except BaseException:
                 self.con.execute("ROLLBACK")
                 raise
+            faults.maybe_kill("before_commit")
             self.con.execute("COMMIT")
 
     def replace(self, table: str, scope: Mapping[str, Any], rows: pd.DataFrame | list[dict[str, Any]]) -> int:

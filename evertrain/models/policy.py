@@ -78,8 +78,15 @@ def _load_base(base_model: str, dtype: torch.dtype) -> Any:
         raise ModelError(f"cannot load model weights from {base_model!r}: {error}") from None
 
 
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' is the first GPU when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def load_policy(checkpoint: str | Path, *, trainable: bool = False, dtype: torch.dtype = torch.float32,
-                lora: LoraConfig | None = None, finetune: str = "lora") -> tuple[Any, Any]:
+                lora: LoraConfig | None = None, finetune: str = "lora", device: str = "auto") -> tuple[Any, Any]:
     """Load the policy in ``checkpoint`` and its tokenizer.
 
     For sampling (``trainable=False``) LoRA adapters are merged into the weights, which makes decoding
@@ -109,7 +116,7 @@ def load_policy(checkpoint: str | Path, *, trainable: bool = False, dtype: torch
         raise ModelError(f"{checkpoint}: unknown checkpoint kind {kind!r}")
     model.config.use_cache = not trainable
     model.train(trainable)
-    return model, tokenizer
+    return model.to(resolve_device(device)), tokenizer
 
 
 def save_checkpoint(model: Any, dest: Path, base_model: str, **manifest: Any) -> Path:
@@ -261,11 +268,11 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_
     configured = getattr(model.generation_config, "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
     eos = torch.tensor(sorted({tokenizer.eos_token_id, *configured} - {None}))
-    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     stats = SamplingStats()
     results: list[list[Sample]] = [[] for _ in prompts]
     per_chunk = max(1, batch_size // n)
-    device = next(model.parameters()).device
     cache_kw = _cache_keyword(model)
     for start in range(0, len(prompts), per_chunk):
         chunk = prompts[start:start + per_chunk]

@@ -154,6 +154,7 @@ class Job:
     code_sha256: str | None = None
 
     def digest(self) -> str:
+        """The ``code_sha256`` of the audit row: what ran, so that runs of the same code can be joined."""
         if self.code_sha256:
             return self.code_sha256
         h = hashlib.sha256()
@@ -347,6 +348,7 @@ class _Process:
     uid: int | None = None
     kill_reason: str | None = None
     killed: bool = False
+    inits: list[int] = field(default_factory=list)  # pidfds of bwrap's children (the sandbox's PID 1)
     record: SandboxRunRecord | None = None
 
     def take(self, stream: int, chunk: bytes) -> None:
@@ -361,8 +363,25 @@ class _Process:
         if self.killed or self.record is not None:
             return
         self.killed, self.kill_reason = True, reason
+        # The sandbox's PID 1 dies of bwrap's death (its parent-death signal), a moment after bwrap:
+        # hold pidfds to it, so that reaping can wait until it, and so the namespace, is gone.
+        self.inits = _children_pidfds(self.popen.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # bwrap leads its own group; its init dies with it
+            os.killpg(self.popen.pid, signal.SIGKILL)  # bwrap leads its own group
+
+
+def _children_pidfds(pid: int) -> list[int]:
+    """pidfds of the children of ``pid``; used only to wait on, never to signal (pids can be reused)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as file:
+            children = file.read().split()
+    except OSError:  # no CONFIG_PROC_CHILDREN, or already gone: nothing to wait for
+        return []
+    fds = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            fds.append(os.pidfd_open(int(child)))
+    return fds
 
 
 def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
@@ -488,6 +507,11 @@ def _read(selector: selectors.BaseSelector, fd: int, proc: _Process, stream: int
 
 def _reap(proc: _Process, selector: selectors.BaseSelector, sandboxed: bool) -> None:
     _, status, usage = os.wait4(proc.popen.pid, 0)
+    for init in proc.inits:  # killed from here: return once nothing of the sandbox is left
+        with selectors.DefaultSelector() as gone:
+            gone.register(init, selectors.EVENT_READ)
+            gone.select(5.0)
+        os.close(init)
     wall = time.monotonic() - proc.t0
     proc.popen.returncode = os.waitstatus_to_exitcode(status)
     with contextlib.suppress(KeyError):

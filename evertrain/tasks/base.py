@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from evertrain import faults
 from evertrain.data.store import now
 from evertrain.runtime import Runtime
 
@@ -45,26 +46,53 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     flow_run_id = current_flow_run_id()
     run_id, previous_status = rt.tracker.iteration_run(iteration, flow_run_id)
     started = now()
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    wall0, cpu0 = time.perf_counter(), cpu_seconds()
     rt.store.record_stage(rt.campaign, iteration, stage, "running", started_at=started, flow_run_id=flow_run_id)
+    token = faults.current_stage.set(stage)
     try:
+        faults.maybe_kill("start")
         metrics = function(rt, iteration)
+        faults.maybe_kill("end")
     except BaseException as error:
+        faults.current_stage.reset(token)
         rt.store.record_stage(
             rt.campaign, iteration, stage, "failed", started_at=started,
-            wall_s=time.perf_counter() - wall0, cpu_s=time.process_time() - cpu0, flow_run_id=flow_run_id,
+            wall_s=time.perf_counter() - wall0, cpu_s=cpu_seconds() - cpu0, flow_run_id=flow_run_id,
             error="".join(traceback.format_exception_only(error)).strip()[:2000],
         )
         rt.tracker.finish_run(run_id, "FAILED")
         raise
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-    metrics = {**metrics, "wall_s": wall, "cpu_s": cpu}
+    faults.current_stage.reset(token)
+    wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
+    metrics = {**metrics, "wall_s": wall, "cpu_s": cpu, **stage_cost(rt, metrics, wall, cpu)}
     rt.store.record_stage(rt.campaign, iteration, stage, "completed", started_at=started, wall_s=wall,
                           cpu_s=cpu, metrics=metrics, flow_run_id=flow_run_id)
     rt.tracker.log_metrics(run_id, {f"{stage}/{key}": value for key, value in metrics.items()}, step=iteration)
     if stage == STAGES[-1] or previous_status == "FINISHED":
         rt.tracker.finish_run(run_id)
     return metrics
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its finished children (sandboxed graders)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def stage_cost(rt: Runtime, metrics: dict[str, Any], wall: float, cpu: float) -> dict[str, float]:
+    """GPU seconds, tokens computed and served from the prefix cache, and dollars, for one stage."""
+    from evertrain.models.policy import resolve_device
+
+    prices = rt.config.prices
+    on_gpu = metrics.get("model_s", 0) or metrics.get("challenger_model_s", 0) or metrics.get("champion_model_s", 0)
+    gpu = wall if on_gpu and resolve_device(rt.config.model.device).type == "cuda" else 0.0
+    computed = sum(float(metrics.get(k, 0) or 0) for k in (
+        "prompt_tokens", "completion_tokens", "trained_tokens", "challenger_completion_tokens",
+        "champion_completion_tokens"))
+    cached = float(metrics.get("cached_prompt_tokens", 0) or 0)
+    dollars = (cpu / 3600 * prices.cpu_core_hour + gpu / 3600 * prices.gpu_hour
+               + computed / 1e6 * prices.million_tokens + cached / 1e6 * prices.million_cached_tokens)
+    return {"gpu_s": gpu, "tokens_computed": computed, "tokens_cached": cached, "dollars": dollars}
 
 
 def allocate(total: int, weights: list[float]) -> list[int]:

@@ -66,7 +66,8 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
     todo = sorted((p for p in problems if p.id not in reused), key=lambda p: p.env)
     stats = {"generated": float(len(todo)), "reused": float(len(rows)), "completion_tokens": 0.0, "model_s": 0.0}
     if todo:
-        model, tokenizer = load_policy(rt.checkpoint(version), dtype=getattr(torch, config.model.rollout_dtype))
+        model, tokenizer = load_policy(rt.checkpoint(version), dtype=getattr(torch, config.model.rollout_dtype),
+                                       device=config.model.device)
         began = time.perf_counter()
         completions = []
         with progress(len(todo), f"evaluate i={iteration} v{version}", "problem") as bar:

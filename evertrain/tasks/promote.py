@@ -17,7 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig, PromotionConfig
-from evertrain.data.store import now, to_json
+from evertrain.data.store import StoreError, now, to_json
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import run_stage
 from evertrain.tasks.evaluate import challenger_of, champion_of
@@ -122,12 +122,8 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
 
     failures = 0 if decision["promoted"] else _consecutive_failures(rt, iteration) + 1
     reset = bool(rule.reset_after_failures) and failures >= rule.reset_after_failures
-    if decision["promoted"]:
-        rt.tracker.set_alias("champion", challenger)
-        rt.tracker.set_alias("previous_champion", champion)
     new_champion = challenger if decision["promoted"] else champion
     if reset:
-        rt.store.set_campaign_state(rt.campaign, trainee_version=new_champion)
         decision["reason"] += f"; trainee reset to champion v{new_champion} after {failures} failed gates"
     rt.store.replace("promotions", {"campaign": rt.campaign, "iteration": iteration}, [{
         "campaign": rt.campaign, "iteration": iteration, "challenger_version": challenger,
@@ -137,15 +133,48 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         "per_env": to_json(decision["per_env"]), "reason": decision["reason"], "reset_trainee": reset,
         "decided_at": now(),
     }])
+    # the decision is on record before any alias moves: a crash here reruns this stage with the same
+    # champion (champion_of reads the record) and reaches the same decision
+    if decision["promoted"]:
+        rt.tracker.set_alias("champion", challenger)
+        rt.tracker.set_alias("previous_champion", champion)
+    if reset:
+        rt.store.set_campaign_state(rt.campaign, trainee_version=new_champion)
     run_id = rt.tracker.run_id(iteration)
     rt.tracker.set_tags(run_id, {
         "promotion.promoted": decision["promoted"], "promotion.reason": decision["reason"],
         "promotion.challenger_version": challenger, "promotion.champion_version": champion,
     })
     _publish_artifacts(rt, iteration, decision, challenger, champion)
+    spent = float(rt.store.scalar(
+        """SELECT coalesce(sum(json_extract(metrics, '$.dollars')::DOUBLE), 0) FROM stage_runs
+           WHERE campaign = ? AND iteration = ? AND stage <> 'promote'""", [rt.campaign, iteration]))
+    points = 100 * decision["gain"] if decision["promoted"] else 0.0
     return {"promoted": float(decision["promoted"]), "gain": decision["gain"], "p_better": decision["p_better"],
+            "iteration_dollars": spent, "points_gained": points, "points_per_dollar": points / spent if spent else 0.0,
             "gain_low": decision["gain_low"], "gain_high": decision["gain_high"],
             "champion_version": new_champion, "failed_gates": failures, "reset_trainee": float(reset)}
+
+
+def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
+    """Move ``champion`` back (to ``to_version``, else to ``previous_champion``) and train from it next.
+
+    The champion being replaced becomes ``previous_champion``, so a rollback can itself be undone, and
+    the trainee is reset to the restored champion: the next iteration samples from it.
+    """
+    current = rt.champion_version()
+    target = to_version if to_version is not None else rt.tracker.alias("previous_champion")
+    if target is None:
+        raise StoreError(f"campaign {rt.campaign!r} has no previous_champion to roll back to; pass --to VERSION")
+    rt.store.model_version(rt.campaign, target)  # raises a clear error for an unknown version
+    if target == current:
+        raise StoreError(f"v{target} is already the champion of campaign {rt.campaign!r}")
+    rt.store.append("rollbacks", [{"campaign": rt.campaign, "rolled_back_at": now(), "from_version": current,
+                                   "to_version": target, "reason": reason}])
+    rt.tracker.set_alias("champion", target)
+    rt.tracker.set_alias("previous_champion", current)
+    rt.store.set_campaign_state(rt.campaign, trainee_version=target)
+    return {"campaign": rt.campaign, "champion": target, "previous_champion": current, "trainee": target}
 
 
 @task(name="promote", cache_policy=NO_CACHE)

@@ -32,7 +32,7 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
         raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
     version = rt.trainee_version()
     dtype = getattr(torch, config.model.rollout_dtype)
-    model, tokenizer = load_policy(rt.checkpoint(version), dtype=dtype)
+    model, tokenizer = load_policy(rt.checkpoint(version), dtype=dtype, device=config.model.device)
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
     G, gen = config.group_size, config.generation
     began = time.perf_counter()

@@ -81,10 +81,10 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
             groups.append(Group(list(rows["prompt_ids"].iloc[0]), members))
 
     model, tokenizer = load_policy(rt.checkpoint(start_version), trainable=True, lora=cfg.lora,
-                                   finetune=cfg.finetune)
+                                   finetune=cfg.finetune, device=config.model.device)
     reference = None
     if cfg.kl_coef > 0:
-        reference, _ = load_policy(rt.checkpoint(rt.champion_version()), trainable=False)
+        reference, _ = load_policy(rt.checkpoint(rt.champion_version()), trainable=False, device=config.model.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     optimizer_file = rt.checkpoint(start_version) / "optimizer.pt"
@@ -120,13 +120,13 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
                                                    pad_id=pad)
                 old = torch.zeros_like(new_logps)
                 for i, m in enumerate(part):
-                    old[i, :len(m[1])] = torch.tensor(m[1])
+                    old[i, :len(m[1])] = torch.tensor(m[1], device=old.device)
                 ref_logps = None
                 if reference is not None:
                     with torch.no_grad():
                         ref_logps, _ = grouped_logprobs(reference, prompts, completions,
                                                         temperature=temperature, pad_id=pad)
-                advantages = torch.tensor([m[2] for m in part], dtype=torch.float32)
+                advantages = torch.tensor([m[2] for m in part], dtype=torch.float32, device=old.device)
                 loss, stats = policy_loss(
                     new_logps, old, advantages, mask, norm, algorithm=cfg.algorithm,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logps=ref_logps, kl_coef=cfg.kl_coef,
@@ -148,13 +148,12 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
                            iteration=iteration)
     torch.save(optimizer.state_dict(), path / "optimizer.pt")
 
-    # rerun-safe registration: drop what an earlier run of this stage registered for this iteration
-    previous = rt.store.query("SELECT version FROM model_versions WHERE campaign = ? AND iteration = ?",
-                              [rt.campaign, iteration])
+    # rerun-safe registration: drop what an earlier (or killed) run of this stage registered for this
+    # iteration, unless the registry already serves it as champion
     protected = {rt.tracker.alias("champion"), rt.tracker.alias("previous_champion")}
-    for old_version in previous["version"]:
-        if int(old_version) not in protected:
-            rt.tracker.delete_version(int(old_version))
+    for old_version in rt.tracker.versions_of(iteration):
+        if old_version not in protected:
+            rt.tracker.delete_version(old_version)
     version = rt.tracker.register(path, rt.tracker.run_id(iteration), iteration)
     rt.tracker.set_alias("challenger", version)
     with rt.store.transaction() as con:

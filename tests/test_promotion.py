@@ -1,0 +1,106 @@
+"""The promotion gate never promotes a worse model; rollback restores the previous champion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from evertrain.config import PromotionConfig
+from evertrain.data.store import now
+from evertrain.runtime import get_runtime
+from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
+from evertrain.tasks.promote import decide, rollback
+from tests.conftest import smoke_config_in
+
+
+def _paired(challenger: list[float], champion: list[float], envs: list[str] | None = None) -> pd.DataFrame:
+    envs = envs or ["a"] * len(challenger)
+    return pd.DataFrame({"problem_id": [str(i) for i in range(len(challenger))], "env": envs,
+                         "challenger": challenger, "champion": champion})
+
+
+def test_gate_promotes_a_clearly_better_challenger():
+    rng = np.random.default_rng(0)
+    champion = (rng.random(200) < 0.3).astype(float)
+    challenger = np.maximum(champion, (rng.random(200) < 0.3).astype(float))
+    decision = decide(_paired(challenger.tolist(), champion.tolist()), PromotionConfig(confidence=0.95), seed=1)
+    assert decision["promoted"] and decision["p_better"] >= 0.95 and decision["gain_low"] > 0
+
+
+@pytest.mark.parametrize(("challenger", "champion", "reason"), [
+    ([0.0] * 50, [1.0] * 25 + [0.0] * 25, "regressed"),
+    ([1.0] * 10 + [0.0] * 40, [1.0] * 10 + [0.0] * 40, "gain +0.000 is not above"),
+    ([1.0] * 11 + [0.0] * 39, [1.0] * 10 + [0.0] * 40, "P(better)"),
+])
+def test_gate_keeps_the_champion(challenger, champion, reason):
+    rule = PromotionConfig(confidence=0.95, max_regression=0.05)
+    decision = decide(_paired(challenger, champion), rule, seed=1)
+    assert not decision["promoted"] and reason in decision["reason"]
+
+
+def test_gate_blocks_a_regression_hidden_by_an_average_gain():
+    # +0.4 on env a, -0.2 on env b: better on average, but b regresses beyond the tolerance
+    challenger = [1.0] * 20 + [0.0] * 30 + [0.0] * 50
+    champion = [0.0] * 50 + [1.0] * 10 + [0.0] * 40
+    envs = ["a"] * 50 + ["b"] * 50
+    decision = decide(_paired(challenger, champion, envs), PromotionConfig(confidence=0.5, max_regression=0.05), 1)
+    assert not decision["promoted"] and "b regressed" in decision["reason"]
+
+
+def _register_random_challenger(rt, iteration: int, models_dir) -> int:
+    """What a broken update would register: full weights, freshly randomly initialized."""
+    from evertrain.models.policy import save_checkpoint
+    from evertrain.models.tiny import build_tiny_model
+
+    random_base = build_tiny_model(models_dir.parent / "random-tiny", seed=1234)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_base)
+    path = save_checkpoint(model, rt.checkpoint_dir(iteration), rt.base_model)
+    run_id, _ = rt.tracker.iteration_run(iteration)
+    version = rt.tracker.register(path, run_id, iteration)
+    rt.store.replace("model_versions", {"campaign": rt.campaign, "version": version}, [{
+        "campaign": rt.campaign, "version": version, "iteration": iteration, "kind": "full", "path": str(path),
+        "parent_version": None, "created_at": now()}])
+    rt.store.record_stage(rt.campaign, iteration, "update", "completed", started_at=now())
+    return version
+
+
+def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, models_dir):
+    config = smoke_config_in(
+        tmp_path, models_dir, name="gate", environments=[{"name": "digits", "weight": 1}],
+        problems_per_iteration=8, group_size=8, eval={"problems_per_env": 24},
+        update={"learning_rate": 1e-2, "finetune": "full", "minibatch_size": 32, "microbatch_size": 32, "epochs": 2},
+        promotion={"confidence": 0.8, "bootstrap_samples": 500},
+    )
+    rt = get_runtime(config)
+    for iteration in range(5):
+        for stage in STAGES:
+            run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
+    promotions = rt.store.query("SELECT * FROM promotions ORDER BY iteration")
+    assert promotions["promoted"].any(), promotions[["iteration", "reason"]]
+    champion = rt.champion_version()
+    assert champion != 1
+
+    # a random-weights challenger for iteration 5 must lose the gate
+    for stage in ("curate", "rollout", "score"):
+        run_stage(rt, stage, 5, STAGE_FUNCTIONS[stage])
+    bad = _register_random_challenger(rt, 5, models_dir)
+    run_stage(rt, "evaluate", 5, STAGE_FUNCTIONS["evaluate"])
+    metrics = run_stage(rt, "promote", 5, STAGE_FUNCTIONS["promote"])
+    assert metrics["promoted"] == 0.0
+    assert rt.champion_version() == champion
+    decision = rt.store.query("SELECT * FROM promotions WHERE iteration = 5").iloc[0]
+    assert decision["challenger_version"] == bad and decision["challenger_pass1"] < decision["champion_pass1"]
+
+    # rollback: champion goes back to previous_champion, and the next rollout samples from it
+    previous = rt.tracker.alias("previous_champion")
+    result = rollback(rt)
+    assert result["champion"] == previous and rt.champion_version() == previous
+    assert rt.tracker.alias("previous_champion") == champion
+    for stage in ("curate", "rollout"):
+        run_stage(rt, stage, 6, STAGE_FUNCTIONS[stage])
+    used = rt.store.query("SELECT DISTINCT policy_version FROM rollouts WHERE iteration = 6")["policy_version"]
+    assert used.tolist() == [previous]
+    assert len(rt.store.query("SELECT * FROM rollbacks")) == 1
