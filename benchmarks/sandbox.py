@@ -4,11 +4,12 @@ Measures, on this machine:
 - the wall time of starting a bare ``python -c pass`` (and ``python -S -c pass``) subprocess, of one
   sandboxed run of ``pass`` (bwrap + prelude + job), and their ratio;
 - one grade (two sandboxes: the candidate's and the tests') run alone: wall and CPU time;
-- sandboxed grades per second over every MBPP reference solution, on a thread pool as wide as the
-  machine, and which references fail (they must be exactly ``MBPP_EXCLUDED``).
+- sandboxed grades per second over every MBPP reference solution, on thread pools one and two times
+  as wide as the machine (a grade waits on its sandboxes, so more threads than cores keeps the cores
+  busier), and which references fail (they must be exactly ``MBPP_EXCLUDED``).
 
 Prints a table and writes the numbers to ``benchmarks/results/sandbox.json``.
-Run: ``.venv/bin/python benchmarks/sandbox.py [--workers N] [--limit N]``.
+Run: ``.venv/bin/python benchmarks/sandbox.py [--workers N ...] [--limit N]``.
 """
 
 from __future__ import annotations
@@ -16,19 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import save  # noqa: E402
 from evertrain.envs.code import MBPP_EXCLUDED, grade_code, mbpp_entry_point  # noqa: E402
 from evertrain.sandbox import bwrap, run_python  # noqa: E402
 
@@ -43,16 +43,6 @@ def _median_ms(run: Any, repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _grade_reference(row: dict[str, Any]) -> tuple[int, bool, str, float]:
     payload = {"tests": row["test_list"], "test_setup": row["test_setup_code"],
                "entry_point": mbpp_entry_point(row["code"], row["test_list"][0])}
@@ -62,10 +52,10 @@ def _grade_reference(row: dict[str, Any]) -> tuple[int, bool, str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="grading threads")
+    cores = os.cpu_count() or 1
+    parser.add_argument("--workers", type=int, nargs="+", default=[cores, 2 * cores], help="grading threads")
     parser.add_argument("--limit", type=int, default=None, help="grade only the first N references")
     parser.add_argument("--repeats", type=int, default=30, help="runs per startup timing")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sandbox.json")
     args = parser.parse_args()
 
     python = bwrap.interpreter()
@@ -85,29 +75,13 @@ def main() -> None:
 
     with open(ROOT / "data" / "mbpp" / "mbpp.jsonl") as lines:
         rows = [json.loads(line) for line in lines][: args.limit]
-    started = time.perf_counter()
-    with ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(_grade_reference, rows))
-    elapsed = time.perf_counter() - started
-    failed = {task: reason for task, passed, reason, _ in results if not passed}
-    grading = {
-        "references": len(rows), "workers": args.workers, "seconds": elapsed,
-        "grades_per_s": len(rows) / elapsed, "sandboxes_per_s": 2 * len(rows) / elapsed,
-        "sandbox_cpu_s_total": sum(cpu for *_, cpu in results),
-        "failed": failed,
-        "failed_exactly_the_excluded": set(failed) == set(MBPP_EXCLUDED) & {row["task_id"] for row in rows},
-    }
+    grading = [_grade_all(rows, workers) for workers in args.workers]
 
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
-                    "python": platform.python_version(), "bwrap": _bwrap_version()},
+    path = save("sandbox", {
+        "cpu_count": os.cpu_count(), "bwrap": _bwrap_version(),  # beside common.machine()'s platform, cpu
         "startup": startup, "one_grade": {"wall_ms": one_grade_ms, "cpu_ms": one_grade_cpu_ms},
         "mbpp_references": grading,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    })
 
     table = [
         ("bare `python -c pass`", f"{startup['bare_python_ms']:.1f} ms"),
@@ -117,16 +91,35 @@ def main() -> None:
         ("sandboxed / bare python -S -c pass", f"{startup['sandbox_over_bare_python_S']:.2f} x"),
         ("one grade (2 sandboxes), wall", f"{one_grade_ms:.1f} ms"),
         ("one grade (2 sandboxes), CPU", f"{one_grade_cpu_ms:.1f} ms"),
-        (f"MBPP references graded ({args.workers} threads)", f"{len(rows)} in {elapsed:.1f} s"),
-        ("grades per second", f"{grading['grades_per_s']:.1f}"),
-        ("references failing", f"{len(failed)} {sorted(failed)}"),
-        ("failing = MBPP_EXCLUDED", str(grading["failed_exactly_the_excluded"])),
     ]
+    for run in grading:
+        table += [
+            (f"MBPP references, {run['workers']} threads", f"{len(rows)} in {run['seconds']:.1f} s"),
+            (f"grades per second, {run['workers']} threads", f"{run['grades_per_s']:.1f}"),
+            ("references failing", f"{len(run['failed'])} {sorted(run['failed'])}"),
+            ("failing = MBPP_EXCLUDED", str(run["failed_exactly_the_excluded"])),
+        ]
     width = max(len(name) for name, _ in table)
     print(f"{'measure':<{width}}  value\n{'-' * width}  -----")
     for name, value in table:
         print(f"{name:<{width}}  {value}")
-    print(f"\nmachine: {result['machine']['cpu_model']}, {os.cpu_count()} CPUs; written to {args.out}")
+    cpu = json.loads(path.read_text())["machine"]["cpu"]
+    print(f"\n{cpu}, {os.cpu_count()} CPUs; written to {path}")
+
+
+def _grade_all(rows: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(_grade_reference, rows))
+    elapsed = time.perf_counter() - started
+    failed = {task: reason for task, passed, reason, _ in results if not passed}
+    return {
+        "references": len(rows), "workers": workers, "seconds": elapsed,
+        "grades_per_s": len(rows) / elapsed, "sandboxes_per_s": 2 * len(rows) / elapsed,
+        "sandbox_cpu_s_total": sum(cpu for *_, cpu in results),
+        "failed": failed,
+        "failed_exactly_the_excluded": set(failed) == set(MBPP_EXCLUDED) & {row["task_id"] for row in rows},
+    }
 
 
 def _bwrap_version() -> str:

@@ -100,6 +100,35 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from evertrain.config import load_config
+
+    configs = [load_config(path).resolved() for path in args.config]
+    if args.interval is None and args.cron is None:
+        args.interval = 3600.0
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):
+        # scheduled runs need a real server (Prefect's temporary one runs no scheduler)
+        from evertrain.flows.deploy import start_server
+
+        url, server = start_server(args.port, scheduler_seconds=min(10.0, args.interval or 10.0))
+        os.environ["PREFECT_API_URL"] = url
+        print(f"started a Prefect server: UI at {url.removesuffix('/api')}", file=sys.stderr)
+    from evertrain.flows.deploy import serve
+
+    names = ", ".join(c.name for c in configs)
+    schedule = f"every {args.interval:g} s" if args.interval is not None else f"cron {args.cron!r}"
+    print(f"serving campaign(s) {names}: {args.iterations_per_run} iteration(s) per run, {schedule}, "
+          "one run at a time; trigger runs from the Prefect UI; Ctrl-C stops", file=sys.stderr)
+    try:
+        serve(configs, interval=args.interval, cron=args.cron, iterations_per_run=args.iterations_per_run)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    return 0
+
+
 def cmd_rollback(args: argparse.Namespace) -> int:
     config = _config(args)
     from evertrain.runtime import get_runtime
@@ -168,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--config", help="campaign TOML file whose paths.store to read")
     report.add_argument("--store", help="DuckDB store (default data/evertrain.duckdb)")
     report.set_defaults(func=cmd_report)
+
+    srv = sub.add_parser("serve", help="run campaigns on a schedule as Prefect deployments (one run at a time)")
+    srv.add_argument("--config", action="append", required=True, help="campaign TOML file (repeatable)")
+    when = srv.add_mutually_exclusive_group()
+    when.add_argument("--interval", type=float, help="seconds between scheduled runs (default 3600)")
+    when.add_argument("--cron", help="cron schedule, e.g. '0 */6 * * *'")
+    srv.add_argument("--iterations-per-run", type=int, default=1, help="iterations per scheduled run (default 1)")
+    srv.add_argument("--port", type=int, default=4200, help="port of the Prefect server started when "
+                     "PREFECT_API_URL is not set (default 4200, or a free one)")
+    srv.set_defaults(func=cmd_serve)
 
     back = sub.add_parser("rollback", help="move champion back to previous_champion (or --to VERSION)")
     back.add_argument("--campaign", required=True)

@@ -204,6 +204,20 @@ class CampaignConfig(_Strict):
             return self.eval.max_new_tokens
         return self.generation.max_new_tokens
 
+    def resolved(self) -> CampaignConfig:
+        """A copy whose relative paths are made absolute (for runs started from another directory)."""
+        data = self.model_dump()
+        for key, value in data["paths"].items():
+            if key == "mlflow_uri":
+                if value.startswith("sqlite:///") and not value.startswith("sqlite:////"):
+                    data["paths"][key] = f"sqlite:///{Path(value.removeprefix('sqlite:///')).resolve()}"
+            else:
+                data["paths"][key] = str(Path(value).resolve())
+        data["model"]["models_dir"] = str(Path(data["model"]["models_dir"]).resolve())
+        if not self.model.path.startswith("embedded:") and Path(self.model.path).exists():
+            data["model"]["path"] = str(Path(self.model.path).resolve())
+        return CampaignConfig.model_validate(data)
+
     @property
     def registered_model(self) -> str:
         """The MLflow registered model that holds this campaign's versions."""

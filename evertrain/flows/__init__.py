@@ -1,5 +1,1 @@
-"""Prefect flows: one iteration of the loop, and a campaign of iterations."""
-
-from evertrain.flows.campaign import campaign_flow, iteration_flow
-
-__all__ = ["campaign_flow", "iteration_flow"]
+"""Prefect flows: ``campaign.py`` (one iteration, a campaign of iterations) and ``deploy.py`` (schedules)."""

@@ -1,0 +1,91 @@
+"""Scheduled deployments: a campaign that runs unattended, one iteration per scheduled run.
+
+``serve`` builds one Prefect deployment per campaign config, with an interval or cron schedule and a
+deployment concurrency limit of one (a run scheduled while the previous one still works waits in the
+queue), and serves them from this process. The Prefect UI shows each deployment with the campaign
+config as a typed form, so a person can trigger a run with changed settings. The store's own lock
+stays the last line of defence: a second process that tries to write the same DuckDB file is refused
+with a clear message before it writes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from evertrain.config import CampaignConfig
+
+
+def _free_port(preferred: int) -> int:
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", preferred)) != 0:
+            return preferred
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: float = 180.0,
+                 ) -> tuple[str, subprocess.Popen]:
+    """Start a real Prefect server (with its scheduler service) on localhost and wait until it answers.
+
+    The temporary server Prefect starts on its own runs no scheduler, so scheduled deployments would
+    never fire without a real one.
+    """
+    port = _free_port(port)
+    env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": str(scheduler_seconds),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect = Path(sys.executable).with_name("prefect")
+    process = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the Prefect server exited with status {process.returncode} before answering")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return url, process
+        except OSError:
+            time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout:.0f} s")
+
+
+def build_deployment(config: CampaignConfig, *, interval: float | None = None, cron: str | None = None,
+                     iterations_per_run: int = 1) -> Any:
+    """The Prefect deployment of ``config``'s campaign on a schedule."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    from evertrain.flows.campaign import campaign_flow
+
+    if (interval is None) == (cron is None):
+        raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
+    return campaign_flow.to_deployment(
+        name=f"campaign-{config.name}",
+        interval=interval,
+        cron=cron,
+        parameters={"config": config.resolved().model_dump(mode="json"), "iterations": iterations_per_run},
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+        description=f"evertrain campaign {config.name!r}: {iterations_per_run} iteration(s) per scheduled run.",
+        tags=["evertrain", f"campaign:{config.name}"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+
+
+def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron: str | None = None,
+          iterations_per_run: int = 1) -> None:
+    """Serve every campaign's deployment from this process until interrupted."""
+    from prefect import serve as prefect_serve
+
+    deployments = [build_deployment(c, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
+                   for c in configs]
+    prefect_serve(*deployments, limit=len(deployments))

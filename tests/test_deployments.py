@@ -1,0 +1,98 @@
+"""Unattended runs: `evertrain serve` on a short interval, and a second concurrent run refused cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from evertrain.data.store import Store
+from tests.conftest import smoke_config_in
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_server) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def _env(api_url: str) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_API_URL": api_url, "EVERTRAIN_PROGRESS": "0"}
+    env.pop("EVERTRAIN_KILL_AT", None)
+    return env
+
+
+def _config_file(directory: Path, models_dir: Path, name: str) -> Path:
+    config = smoke_config_in(directory, models_dir, name=name)
+    path = directory / "campaign.json"
+    path.write_text(json.dumps(config.model_dump(mode="json")))
+    return path
+
+
+def _finished_runs(directory: Path, campaign: str) -> int:
+    db = directory / "mlflow" / "mlflow.db"
+    if not db.exists():
+        return 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    experiment = client.get_experiment_by_name(f"evertrain/{campaign}")
+    if experiment is None:
+        return 0
+    return sum(r.info.status == "FINISHED" for r in client.search_runs([experiment.experiment_id]))
+
+
+def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
+    """No PREFECT_API_URL: `evertrain serve` starts a real Prefect server (with its scheduler) itself."""
+    config = _config_file(tmp_path, models_dir, "served")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "EVERTRAIN_KILL_AT")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), EVERTRAIN_PROGRESS="0")
+    server = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "serve", "--config", str(config),
+                               "--interval", "3", "--port", "4311"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while _finished_runs(tmp_path, "served") < 2 and time.monotonic() < deadline:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            time.sleep(2)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert _finished_runs(tmp_path, "served") >= 2
+    store = Store(tmp_path / "evertrain.duckdb", read_only=True)
+    done = store.query("SELECT iteration FROM promotions ORDER BY iteration")["iteration"].tolist()
+    flow_runs = store.query("SELECT DISTINCT flow_run_id FROM stage_runs WHERE flow_run_id IS NOT NULL")
+    store.close()
+    assert done[:2] == [0, 1]
+    assert len(flow_runs) >= 2  # each iteration came from its own scheduled flow run
+
+
+def test_second_concurrent_run_is_refused_without_damage(tmp_path, models_dir, api_url):
+    config = _config_file(tmp_path, models_dir, "busy")
+    command = [sys.executable, "-m", "evertrain.cli", "run", "--config", str(config)]
+    first = subprocess.Popen([*command, "--iterations", "3"], cwd=tmp_path, env=_env(api_url),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "evertrain.duckdb").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    second = subprocess.run([*command, "--iterations", "1"], cwd=tmp_path, env=_env(api_url),
+                            capture_output=True, text=True, timeout=120)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "in use by another process" in second.stderr and "Traceback" not in second.stderr
+    store = Store(tmp_path / "evertrain.duckdb", read_only=True)
+    counts = store.query("SELECT iteration, count(*) AS n FROM rollouts GROUP BY iteration ORDER BY iteration")
+    stages = store.query("SELECT status, count(*) AS n FROM stage_runs GROUP BY status")
+    store.close()
+    assert counts["iteration"].tolist() == [0, 1, 2] and (counts["n"] == 8 * 4).all()
+    assert stages.set_index("status")["n"].to_dict() == {"completed": 18}
