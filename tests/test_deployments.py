@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
 from evertrain.data.store import Store
+from mlflow import MlflowClient
 from tests.conftest import smoke_config_in
 
 
@@ -86,7 +86,7 @@ def test_second_concurrent_run_is_refused_without_damage(tmp_path, models_dir, a
         time.sleep(0.2)
     second = subprocess.run([*command, "--iterations", "1"], cwd=tmp_path, env=_env(api_url),
                             capture_output=True, text=True, timeout=120)
-    out, err = first.communicate(timeout=600)
+    _out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
     assert second.returncode == 2, second.stderr[-3000:]
     assert "in use by another process" in second.stderr and "Traceback" not in second.stderr
