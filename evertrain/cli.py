@@ -82,6 +82,50 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    from evertrain.scoring import score_lines
+    from evertrain.tasks.base import progress
+
+    source = Path(args.input)
+    if not source.is_file():
+        print(f"evertrain: error: input file {source} does not exist", file=sys.stderr)
+        return 2
+    lines = [line for line in source.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    with progress(len(lines), "score", "item") as bar:
+        results, audit = score_lines(lines, workers=args.workers, progress=bar)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("".join(json.dumps(r, default=str) + "\n" for r in results), encoding="utf-8")
+    where = _write_audit(audit, args.store, output)
+    passed = sum(r["passed"] for r in results)
+    malformed = sum(r["reason"] == "malformed_input" for r in results)
+    print(f"scored {len(results)} item(s): {passed} passed, {malformed} malformed; results in {output}"
+          + (f"; {len(audit)} sandbox run(s) audited in {where}" if audit else ""), file=sys.stderr)
+    return 0
+
+
+def _write_audit(audit: list[dict[str, Any]], store_path: str | None, output: Path) -> str:
+    """Sandbox audit rows go to the store's sandbox_runs table, or next to the output if it is busy."""
+    if not audit:
+        return ""
+    from evertrain.config import PathsConfig
+    from evertrain.data.store import Store, StoreError
+
+    rows = [{**row, "campaign": None, "iteration": None} for row in audit]
+    try:
+        store = Store(store_path or PathsConfig().store)
+    except StoreError as error:
+        fallback = output.with_name(output.name + ".sandbox_runs.jsonl")
+        fallback.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows), encoding="utf-8")
+        print(f"evertrain: warning: {error}\n  the sandbox audit rows went to {fallback}", file=sys.stderr)
+        return str(fallback)
+    try:
+        store.append("sandbox_runs", rows)
+    finally:
+        store.close()
+    return f"{store.path} (sandbox_runs)"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store
@@ -190,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
     stage.add_argument("--store", help="DuckDB store to find the campaign's config in")
     stage.set_defaults(func=cmd_stage)
+
+    score = sub.add_parser("score", help="grade completions from a JSONL file, in parallel, in input order")
+    score.add_argument("--input", required=True, help='JSONL: {"id", "env", "problem": {...}, "completion"}')
+    score.add_argument("--output", required=True, help='JSONL: {"id", "reward", "passed", "reason", "detail"}')
+    score.add_argument("--workers", type=int, help="parallel graders (default: one per core)")
+    score.add_argument("--store", help="DuckDB store for the sandbox audit rows (default data/evertrain.duckdb)")
+    score.set_defaults(func=cmd_score)
 
     report = sub.add_parser("report", help="the per-iteration table of a campaign")
     report.add_argument("--campaign", required=True)

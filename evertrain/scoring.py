@@ -45,3 +45,49 @@ def verify_many(items: Sequence[tuple[Environment, Problem, str]], workers: int 
 def pop_sandbox_runs(verdict: Verdict) -> list[dict[str, Any]]:
     """Take the sandbox audit rows a sandboxed verifier left in ``verdict.detail``."""
     return list(verdict.detail.pop("sandbox_runs", []) or [])
+
+
+def score_lines(lines: list[str], workers: int | None = None, progress: Any = None,
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Score ``evertrain score`` input lines; returns (one result per line, in order; sandbox audit rows).
+
+    A malformed line gets an error result of its own and the rest are still scored.
+    """
+    import json
+
+    from evertrain.envs import registry
+
+    results: list[dict[str, Any] | None] = [None] * len(lines)
+    envs: dict[str, Environment] = {}
+    todo: list[tuple[int, str, Environment, Problem, str]] = []
+    for number, line in enumerate(lines):
+        item_id: Any = None
+        try:
+            item = json.loads(line)
+            if not isinstance(item, dict):
+                raise ValueError("each line must be a JSON object")
+            item_id = item.get("id")
+            missing = [k for k in ("id", "env", "problem", "completion") if k not in item]
+            if missing:
+                raise ValueError(f"missing field(s) {', '.join(missing)}")
+            if not isinstance(item["id"], str) or not isinstance(item["completion"], str):
+                raise ValueError("id and completion must be strings")
+            if item["env"] not in envs:
+                envs[item["env"]] = registry.get(item["env"])
+            env = envs[item["env"]]
+            problem = env.parse_problem(item["problem"])
+        except (ValueError, TypeError) as error:  # JSONDecodeError and UnknownEnvironment are ValueErrors
+            results[number] = {"id": item_id if isinstance(item_id, str) else None, "reward": 0.0, "passed": False,
+                               "reason": "malformed_input", "detail": {"line": number + 1, "error": str(error)}}
+            if progress is not None:
+                progress.update(1)
+            continue
+        todo.append((number, item["id"], env, problem, item["completion"]))
+    verdicts = verify_many([(env, problem, completion) for _, _, env, problem, completion in todo],
+                           workers=workers, progress=progress)
+    audit: list[dict[str, Any]] = []
+    for (number, item_id, *_), verdict in zip(todo, verdicts, strict=True):
+        audit += pop_sandbox_runs(verdict)
+        results[number] = {"id": item_id, "reward": verdict.reward, "passed": verdict.passed,
+                           "reason": verdict.reason, "detail": verdict.detail}
+    return [r for r in results if r is not None], audit

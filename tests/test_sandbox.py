@@ -213,3 +213,14 @@ def test_threads_and_fds_do_not_leak() -> None:
     for _ in range(5):
         run_python("print('x')")
     assert (len(os.listdir("/proc/self/fd")), threading.active_count()) == before
+
+
+def test_peak_memory_is_the_jobs_even_from_a_large_parent():
+    # a process started from a big parent inherits the parent's peak RSS across exec; the audit must
+    # report the sandboxed job's own peak, not the grader's
+    ballast = bytearray(400 * 1024 * 1024)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page: 400 MB resident here
+    record = run_python("data = bytearray(30 * 1024 * 1024)")
+    assert record.exit_code == 0
+    assert 30 * 1024 < record.peak_rss_kb < 200 * 1024
+    del ballast

@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+from typing import Any, ClassVar
 
-from evertrain.envs.base import Verdict
+from evertrain.envs.base import Environment, Problem, Verdict
 
 _HASH = "####"
 _BOXED = "\\boxed{"
@@ -84,3 +85,24 @@ def grade_math(completion: str, expected: str) -> Verdict:
     if value != target:
         return Verdict.fail("wrong_answer", answer=answer[:200], expected=expected)
     return Verdict.ok(answer=answer[:200])
+
+
+class MathEnvironment(Environment):
+    """Math-like problems ``{"question": str, "answer": str}`` graded by the strict final-answer rule."""
+
+    kind: ClassVar[str] = "math"
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        return grade_math(completion, problem.payload["answer"])
+
+    def parse_problem(self, data: dict[str, Any]) -> Problem:
+        if not isinstance(data, dict):
+            raise ValueError(f"problem must be a JSON object, not {type(data).__name__}")
+        question, answer = data.get("question"), data.get("answer")
+        if not isinstance(question, str):
+            raise ValueError("problem.question must be a string")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError("problem.answer must be a string or a number")
+        if parse_number(str(answer)) is None:
+            raise ValueError(f"problem.answer {answer!r} is not a number")
+        return Problem.make(self.name, question, {"answer": str(answer)})

@@ -12,16 +12,15 @@ import random
 from functools import cached_property
 from typing import Any, ClassVar
 
-from evertrain.envs.answers import grade_math
-from evertrain.envs.base import Environment, Problem, Split, Verdict
+from evertrain.envs.answers import MathEnvironment
+from evertrain.envs.base import Problem, Split
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _POOL_SEED = 20261130
 
 
-class Arithmetic(Environment):
+class Arithmetic(MathEnvironment):
     name: ClassVar[str] = "arithmetic"
-    kind: ClassVar[str] = "math"
     source: ClassVar[str] = "generated"
     system_prompt: ClassVar[str] = (
         "Solve the problem. Give the final answer on the last line as '#### <number>'."
@@ -70,9 +69,6 @@ class Arithmetic(Environment):
     def count(self, split: Split) -> int | None:
         train, held = self._pools
         return len(held) if split == "eval" else len(train)
-
-    def verify(self, problem: Problem, completion: str) -> Verdict:
-        return grade_math(completion, problem.payload["answer"])
 
     def reference(self, problem: Problem) -> str | None:
         return f"{problem.prompt.removeprefix('What is ').rstrip('?')} = {problem.payload['answer']}\n" \

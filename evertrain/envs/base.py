@@ -99,6 +99,16 @@ class Environment(ABC):
         """A completion that must earn reward 1 (used to validate the environment), if one exists."""
         return None
 
+    def parse_problem(self, data: dict[str, Any]) -> Problem:
+        """A problem from its JSON form (``evertrain score`` input); ValueError names what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"problem must be a JSON object, not {type(data).__name__}")
+        prompt = data.get("prompt", data.get("question", ""))
+        if not isinstance(prompt, str):
+            raise ValueError("problem.prompt must be a string")
+        payload = {k: v for k, v in data.items() if k not in ("prompt", "question")}
+        return Problem.make(self.name, prompt, payload)
+
 
 def vendored_path(*parts: str) -> Path:
     """A file of the data sets vendored in the project's ``data/`` folder (override: EVERTRAIN_DATA_DIR)."""

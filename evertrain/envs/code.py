@@ -271,6 +271,19 @@ class CodeEnvironment(Environment):
         code = problem.payload.get("reference")
         return f"```python\n{code}\n```" if code else None
 
+    def parse_problem(self, data: dict[str, Any]) -> Problem:
+        if not isinstance(data, dict):
+            raise ValueError(f"problem must be a JSON object, not {type(data).__name__}")
+        prompt, tests = data.get("prompt"), data.get("tests")
+        if not isinstance(prompt, str):
+            raise ValueError("problem.prompt must be a string")
+        if not (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)):
+            raise ValueError("problem.tests must be a non-empty list of strings")
+        for key in ("test_setup", "entry_point"):
+            if key in data and not isinstance(data[key], str):
+                raise ValueError(f"problem.{key} must be a string")
+        return Problem.make(self.name, prompt, {k: v for k, v in data.items() if k != "prompt"})
+
 
 # MBPP problems the plain-data grader cannot grade, with why; they are in neither split. Found by
 # grading every reference solution (tests/test_code_grader.py, benchmarks/sandbox.py).

@@ -12,15 +12,14 @@ import re
 from functools import cached_property
 from typing import ClassVar
 
-from evertrain.envs.answers import grade_math
-from evertrain.envs.base import Environment, Problem, Split, Verdict, vendored_path
+from evertrain.envs.answers import MathEnvironment
+from evertrain.envs.base import Problem, Split, vendored_path
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
 
-class GSM8K(Environment):
+class GSM8K(MathEnvironment):
     name: ClassVar[str] = "gsm8k"
-    kind: ClassVar[str] = "math"
     source: ClassVar[str] = "data/gsm8k/train.jsonl (OpenAI grade-school-math, MIT)"
     system_prompt: ClassVar[str] = (
         "Solve the math word problem step by step. "
@@ -59,9 +58,6 @@ class GSM8K(Environment):
 
     def count(self, split: Split) -> int | None:
         return len(self._splits[split])
-
-    def verify(self, problem: Problem, completion: str) -> Verdict:
-        return grade_math(completion, problem.payload["answer"])
 
     def reference(self, problem: Problem) -> str | None:
         return problem.payload["solution"]

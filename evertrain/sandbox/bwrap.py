@@ -113,7 +113,7 @@ class SandboxRunRecord:
     signal: int | None
     wall_s: float
     cpu_s: float  # user + system time of the job and what it reaped; only bwrap's own when killed from here
-    peak_rss_kb: int  # largest resident set of any one process in the tree
+    peak_rss_kb: int | None  # largest resident set of any one job process; None when the run was killed
     stdout_bytes: int  # bytes written, including any beyond the stored cap
     stderr_bytes: int
     stdout: str  # the first limits.output_keep_bytes, decoded leniently
@@ -212,14 +212,15 @@ def _mounts() -> tuple[str, ...]:
     return tuple(args)
 
 
-def _python_argv(prelude: str, uid: int | None, limits: Limits, target: list[str], mode: str) -> list[str]:
+def _python_argv(prelude: str, uid: int | None, limits: Limits, target: list[str], mode: str,
+                 report_fd: int) -> list[str]:
     """The command line that starts the prelude (see prelude.py for its arguments)."""
     rlimits = ",".join(f"{name}={soft}:{hard}" for name, (soft, hard) in limits.rlimits().items())
     watchdog_s = limits.timeout_s + 1.0  # the grader kills first; the watchdog is the backstop
     # -S: no site (no site-packages, no .pth files, much faster start); -s: no user site;
     # -B: write no bytecode; -P: put no unsafe path (cwd, script dir) on sys.path.
     return [interpreter(), "-S", "-s", "-B", "-P", prelude,
-            "-" if uid is None else str(uid), str(watchdog_s), rlimits, mode, *target]
+            "-" if uid is None else str(uid), str(watchdog_s), str(report_fd), rlimits, mode, *target]
 
 
 def _bwrap_argv(job: Job, file_fds: dict[str, int], uid: int | None) -> list[str]:
@@ -350,6 +351,7 @@ class _Process:
     killed: bool = False
     inits: list[int] = field(default_factory=list)  # pidfds of bwrap's children (the sandbox's PID 1)
     record: SandboxRunRecord | None = None
+    report_fd: int = -1  # read end of the pipe on which the sandbox's PID 1 reports the job's rusage
 
     def take(self, stream: int, chunk: bytes) -> None:
         keep = self.job.limits.output_keep_bytes
@@ -407,10 +409,13 @@ def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
             Path(tmpdir, name).write_bytes(data)
         file_fds, base, cwd = {}, tmpdir, tmpdir
         env = {"PATH": "/usr/bin:/bin", "HOME": tmpdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+    report_r, report_w = os.pipe()
+    to_close.append(report_w)
     if job.argv is not None:
-        argv = _python_argv(f"{base}/prelude.py", uid, job.limits, list(job.argv), "exec")
+        argv = _python_argv(f"{base}/prelude.py", uid, job.limits, list(job.argv), "exec", report_w)
     else:
-        argv = _python_argv(f"{base}/prelude.py", uid, job.limits, [f"{base}/main.py", *job.args], "main")
+        argv = _python_argv(f"{base}/prelude.py", uid, job.limits, [f"{base}/main.py", *job.args], "main",
+                            report_w)
     if sandboxed:
         argv = _bwrap_argv(job, file_fds, uid) + argv
     stdin: Any = subprocess.DEVNULL
@@ -422,14 +427,14 @@ def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
     t0 = time.monotonic()
     try:
         popen = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 pass_fds=(*file_fds.values(), *job.pass_fds), start_new_session=True,
+                                 pass_fds=(*file_fds.values(), *job.pass_fds, report_w), start_new_session=True,
                                  cwd=cwd, env=env)
     except BaseException:
-        for fd in to_close:
+        for fd in (*to_close, report_r):
             os.close(fd)
         raise
     pidfd = os.pidfd_open(popen.pid)
-    return _Process(job, popen, pidfd, t0, started_at, uid=uid), to_close, tmpdir
+    return _Process(job, popen, pidfd, t0, started_at, uid=uid, report_fd=report_r), to_close, tmpdir
 
 
 def _run_group(jobs: Sequence[Job], primary: int | None, grace_s: float,
@@ -540,15 +545,37 @@ def _reap(proc: _Process, selector: selectors.BaseSelector, sandboxed: bool) -> 
             exit_code, sig = None, exit_code - 128
     limits = proc.job.limits
     cpu = usage.ru_utime + usage.ru_stime
+    peak_rss: int | None = None
+    reported = _read_report(proc.report_fd)
+    if reported is not None:  # the job's own numbers, from the sandbox's PID 1
+        peak_rss, cpu = reported
     stdout, stderr = (bytes(b).decode("utf-8", "replace") for b in proc.stored)
     proc.record = SandboxRunRecord(
         run_id=str(uuid.uuid4()), purpose=proc.job.purpose, code_sha256=proc.job.digest(), limits=limits,
         exit_code=exit_code, signal=sig, wall_s=round(wall, 4), cpu_s=round(cpu, 4),
-        peak_rss_kb=int(usage.ru_maxrss), stdout_bytes=proc.counts[0], stderr_bytes=proc.counts[1],
+        peak_rss_kb=peak_rss, stdout_bytes=proc.counts[0], stderr_bytes=proc.counts[1],
         stdout=stdout, stderr=stderr,
         limit_hit=_limit_hit(proc, exit_code, sig, cpu), started_at=proc.started_at, sandboxed=sandboxed,
         uid=proc.uid,
     )
+
+
+def _read_report(fd: int) -> tuple[int, float] | None:
+    """Peak RSS (kB) and CPU seconds reported by the sandbox's PID 1; None when it died first (a kill)."""
+    if fd < 0:
+        return None
+    try:
+        os.set_blocking(fd, False)
+        data = os.read(fd, 256)
+    except OSError:
+        data = b""
+    finally:
+        os.close(fd)
+    try:
+        maxrss, utime, stime = data.decode().split()
+        return int(maxrss), float(utime) + float(stime)
+    except ValueError:
+        return None
 
 
 def _limit_hit(proc: _Process, exit_code: int | None, sig: int | None, cpu: float) -> str | None:

@@ -20,7 +20,7 @@ from evertrain.data.store import StoreError, now
 from evertrain.envs.base import Problem
 from evertrain.models.policy import encode_chat, load_policy, sample
 from evertrain.runtime import Runtime, get_runtime
-from evertrain.scoring import verify_many
+from evertrain.scoring import pop_sandbox_runs, verify_many
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -82,8 +82,12 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
                 stats["completion_tokens"] += sampling.completion_tokens
         stats["model_s"] = time.perf_counter() - began
         verdicts = verify_many([(rt.env(p.env), p, c.text) for p, c in zip(todo, completions, strict=True)])
+        audit = [{**row, "campaign": rt.campaign, "iteration": iteration}
+                 for v in verdicts for row in pop_sandbox_runs(v)]
+        if audit:
+            rt.store.append("sandbox_runs", audit)
+        stats["sandbox_runs"] = float(len(audit))
         for p, c, v in zip(todo, completions, verdicts, strict=True):
-            v.detail.pop("sandbox_runs", None)
             rows.append({
                 "campaign": rt.campaign, "iteration": iteration, "model_version": version, "role": role,
                 "problem_id": p.id, "sample": 0, "env": p.env, "completion": c.text,
