@@ -71,6 +71,18 @@ class EnvironmentSpec(_Strict):
     )
 
 
+class CurationConfig(_Strict):
+    """What keeps a problem out of an iteration's training mix."""
+
+    oversample: int = Field(4, ge=1, description="Candidates drawn per problem needed, before the filters.")
+    history_k: int = Field(
+        8, ge=0, description="Skip a problem the trainee solved on all, or none, of its last k attempts (0: off).")
+    near_duplicate_jaccard: float = Field(
+        0.8, gt=0, le=1, description="Drop a problem whose word n-grams overlap a kept one's this much (Jaccard).")
+    decontamination_ngram: int = Field(
+        10, ge=3, description="Drop a problem sharing a word n-gram of this length with any held-out problem.")
+
+
 class GenerationConfig(_Strict):
     """How rollouts are sampled."""
 
@@ -120,6 +132,9 @@ class EvalConfig(_Strict):
     """Held-out evaluation of challenger and champion on the same problems."""
 
     problems_per_env: int = Field(50, ge=1, description="Held-out problems per environment.")
+    samples: int = Field(
+        0, ge=0, le=64, description="Sampled attempts per problem (at generation.temperature) besides the greedy one, "
+        "for pass@k with k = samples; 0: greedy pass@1 only.")
     max_new_tokens: int | None = Field(None, ge=1, description="Defaults to generation.max_new_tokens.")
 
 
@@ -167,6 +182,7 @@ class CampaignConfig(_Strict):
         default_factory=lambda: [EnvironmentSpec(name="arithmetic", weight=1.0)], min_length=1
     )
     problems_per_iteration: int = Field(16, ge=1, description="Problems curated per iteration.")
+    curation: CurationConfig = Field(default_factory=CurationConfig)
     group_size: int = Field(8, ge=2, description="G: samples per problem; GRPO compares within a group.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     update: UpdateConfig = Field(default_factory=UpdateConfig)

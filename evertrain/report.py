@@ -26,7 +26,7 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
     for iteration, group in stages.groupby("iteration", sort=True):
         metrics = {row.stage: json.loads(row.metrics or "{}") for row in group.itertuples(index=False)}
         status = dict(zip(group["stage"], group["status"], strict=True))
-        rollout, score = metrics.get("rollout", {}), metrics.get("score", {})
+        curate, rollout, score = metrics.get("curate", {}), metrics.get("rollout", {}), metrics.get("score", {})
         evaluate, update = metrics.get("evaluate", {}), metrics.get("update", {})
         decision = promotions.loc[iteration] if iteration in promotions.index else None
         tokens = sum(int(m.get(k, 0) or 0) for m in (rollout,)
@@ -39,6 +39,8 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             ", ".join(f"{k}:{v}" for k, v in status.items() if v != "completed") or "partial",
             "mean_reward": score.get("mean_reward"),
             "zero_variance_share": score.get("zero_variance_share"),
+            "zero_variance_share_unfiltered_est": _unfiltered_zero_variance(curate, score),
+            "dropped": {k.removeprefix("dropped_"): v for k, v in curate.items() if k.startswith("dropped_")},
             "pass1_challenger": evaluate.get("pass1_challenger"),
             "pass1_champion": evaluate.get("pass1_champion"),
             "pass1_by_env": {k.removeprefix("pass1_challenger_"): v for k, v in evaluate.items()
@@ -67,6 +69,16 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
         row["points_per_dollar_total"] = (row["points_gained_total"] / spent
                                           if spent and row["points_gained_total"] is not None else None)
     return rows
+
+
+def _unfiltered_zero_variance(curate: dict[str, Any], score: dict[str, Any]) -> float | None:
+    """Zero-variance share had the difficulty filter not run: the problems it dropped count as
+    zero-variance groups (all their last k attempts agreed)."""
+    share, problems = score.get("zero_variance_share"), curate.get("problems")
+    if share is None or not problems:
+        return None
+    skipped = int(curate.get("dropped_too_easy", 0)) + int(curate.get("dropped_too_hard", 0))
+    return (share * problems + skipped) / (problems + skipped)
 
 
 def _cell(value: Any) -> str:

@@ -39,8 +39,9 @@ CREATE TABLE IF NOT EXISTS rollouts (
     env VARCHAR, policy_version INTEGER,
     prompt_text VARCHAR, completion VARCHAR,
     prompt_ids INTEGER[], completion_ids INTEGER[], logprobs FLOAT[],
-    turns JSON, finish_reason VARCHAR,
-    prompt_tokens INTEGER, completion_tokens INTEGER, generated_at TIMESTAMPTZ,
+    loss_mask UTINYINT[], turns JSON, finish_reason VARCHAR,
+    prompt_tokens INTEGER, completion_tokens INTEGER, tool_calls INTEGER, tool_errors INTEGER, rework INTEGER,
+    generated_at TIMESTAMPTZ,
     reward DOUBLE, passed BOOLEAN, reason VARCHAR, detail JSON, scored_at TIMESTAMPTZ,
     PRIMARY KEY (campaign, iteration, problem_id, sample)
 );
@@ -48,8 +49,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
 CREATE TABLE IF NOT EXISTS evals (
     campaign VARCHAR, iteration INTEGER, model_version INTEGER, role VARCHAR,
     problem_id VARCHAR, sample INTEGER, env VARCHAR,
-    completion VARCHAR, completion_tokens INTEGER,
-    reward DOUBLE, passed BOOLEAN, reason VARCHAR, reused_from INTEGER,
+    completion VARCHAR, completion_tokens INTEGER, turns JSON, tool_calls INTEGER, tool_errors INTEGER,
+    rework INTEGER, reward DOUBLE, passed BOOLEAN, reason VARCHAR, reused_from INTEGER,
     created_at TIMESTAMPTZ,
     PRIMARY KEY (campaign, iteration, model_version, problem_id, sample)
 );

@@ -59,8 +59,33 @@ class Verdict:
         return cls(reward=1.0, passed=True, reason=reason, detail=detail)
 
 
+@dataclass
+class ToolResult:
+    """What a tool returned to the policy: its text, and whether the call failed (an error the policy may fix)."""
+
+    output: str
+    error: bool = False
+
+
+class Tool(ABC):
+    """A tool the policy may call between turns. ``run`` must never raise on what the call contains."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    @abstractmethod
+    def run(self, call: str, problem: Problem) -> ToolResult:
+        """Execute ``call`` (the text inside the tool tags) for ``problem``."""
+
+
 class Environment(ABC):
-    """A domain of verifiable problems. Subclasses set the class attributes and implement three methods."""
+    """A domain of verifiable problems. Subclasses set the class attributes and implement three methods.
+
+    Agentic environments also set ``tools`` (name -> Tool) and ``max_turns``: the policy calls a tool by
+    writing ``<tool_name>input</tool_name>`` and ending its turn; the rollout runs the tool, appends its
+    output as a ``tool`` message, and lets the policy continue, until it answers without a tool call or
+    reaches ``max_turns`` assistant turns. ``verify`` then grades the whole transcript's final answer.
+    """
 
     name: ClassVar[str]
     kind: ClassVar[str]  # "math", "code", "tool" ...
@@ -68,6 +93,9 @@ class Environment(ABC):
     system_prompt: ClassVar[str] = ""
     # worked examples shown as earlier chat turns: (user, assistant) pairs
     examples: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # agentic environments: the tools the policy may call, and how many assistant turns it gets
+    tools: ClassVar[dict[str, Tool]] = {}
+    max_turns: ClassVar[int] = 1
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -98,6 +126,10 @@ class Environment(ABC):
     def reference(self, problem: Problem) -> str | None:
         """A completion that must earn reward 1 (used to validate the environment), if one exists."""
         return None
+
+    def hack_completions(self, problem: Problem) -> list[str]:
+        """Completions specific to this environment that must earn 0 (validation adds generic ones)."""
+        return []
 
     def parse_problem(self, data: dict[str, Any]) -> Problem:
         """A problem from its JSON form (``evertrain score`` input); ValueError names what is wrong."""

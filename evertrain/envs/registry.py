@@ -21,19 +21,40 @@ class UnknownEnvironment(ValueError):
     pass
 
 
-def names() -> list[str]:
-    """Every registered environment name."""
-    return sorted(BUILTIN)
+RG_PREFIX = "rg:"  # rg:<generator> is any reasoning-gym generator
+
+
+def rg_generators() -> list[str]:
+    """Every reasoning-gym generator name (imports reasoning_gym, about a second)."""
+    from evertrain.envs.reasoning_gym import generator_names
+
+    return generator_names()
+
+
+def names(include_rg: bool = False) -> list[str]:
+    """Every registered environment name (with every rg:<generator> when ``include_rg``)."""
+    listed = sorted(BUILTIN)
+    if include_rg:
+        listed += [RG_PREFIX + name for name in rg_generators()]
+    return listed
 
 
 def check_name(name: str) -> None:
     """Raise UnknownEnvironment with the known names when ``name`` is not registered."""
+    if name.startswith(RG_PREFIX):
+        if name[len(RG_PREFIX):] not in rg_generators():
+            raise UnknownEnvironment(f"unknown reasoning-gym generator {name!r}; `evertrain envs` lists them")
+        return
     if name not in BUILTIN:
-        raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(names())}")
+        raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(names())}, rg:<generator>")
 
 
 def get(name: str, **options: Any) -> Environment:
     """Build the environment called ``name`` with its options."""
     check_name(name)
+    if name.startswith(RG_PREFIX):
+        from evertrain.envs.reasoning_gym import ReasoningGym
+
+        return ReasoningGym(name[len(RG_PREFIX):], **options)
     module, _, cls = BUILTIN[name].partition(":")
     return getattr(importlib.import_module(module), cls)(**options)

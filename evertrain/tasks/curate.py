@@ -1,12 +1,21 @@
-"""Stage 1, curate: choose this iteration's training problems from the campaign's environments.
+"""Stage 1, curate: choose this iteration's training problems, and keep out the ones that teach nothing.
 
-The draw is seeded by (campaign seed, iteration, environment), so rerunning curate for an iteration
-chooses the same problems. Each environment's share follows its weight. Problems that also appear
-in any environment's held-out set are dropped (decontamination by id), as are duplicates.
+For each environment (its share of the iteration follows its weight) candidates are drawn, seeded by
+(campaign seed, iteration, environment) so a rerun chooses the same problems, then filtered in order:
+
+1. ``duplicate``: the same problem (content hash) already chosen this iteration;
+2. ``near_duplicate``: word n-grams overlapping a chosen problem's beyond ``curation.near_duplicate_jaccard``;
+3. ``contaminated``: sharing a word n-gram with any environment's held-out problem, or being one;
+4. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
+   attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
+   shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
+
+The stage records how many candidates each rule dropped.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from prefect import task
@@ -14,39 +23,92 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
+from evertrain.envs.base import Problem
+from evertrain.envs.quality import NgramIndex
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import allocate, run_stage
 
+RULES = ("duplicate", "near_duplicate", "contaminated", "too_easy", "too_hard")
+
+
+@cache
+def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
+    config = CampaignConfig.model_validate_json(config_json)
+    rt = get_runtime(config)
+    index = NgramIndex(n=config.curation.decontamination_ngram)
+    ids = set()
+    for spec in config.environments:
+        for problem in rt.env(spec.name).problems("eval", config.eval.problems_per_env, config.seed):
+            ids.add(problem.id)
+            index.add(problem.prompt)
+    return frozenset(ids), index
+
+
+def attempt_history(rt: Runtime, iteration: int, ids: list[str], k: int) -> dict[str, tuple[int, int]]:
+    """(attempts, passes) over each problem's last ``k`` scored attempts before ``iteration``."""
+    if not ids or k <= 0:
+        return {}
+    frame = rt.store.query(
+        """SELECT problem_id, count(*) AS attempts, sum(passed::INTEGER) AS passes FROM (
+               SELECT problem_id, passed, row_number() OVER (
+                   PARTITION BY problem_id ORDER BY iteration DESC, sample) AS recent
+               FROM rollouts
+               WHERE campaign = ? AND iteration < ? AND passed IS NOT NULL
+                 AND problem_id IN (SELECT unnest(?::VARCHAR[])))
+           WHERE recent <= ? GROUP BY problem_id""",
+        [rt.campaign, iteration, ids, k],
+    )
+    return {row.problem_id: (int(row.attempts), int(row.passes)) for row in frame.itertuples(index=False)}
+
 
 def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
-    config = rt.config
+    config, rules = rt.config, rt.config.curation
     shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
-    held_out = {p.id for spec in config.environments
-                for p in rt.env(spec.name).problems("eval", config.eval.problems_per_env, config.seed)}
+    held_ids, held_index = _held_out_index(config.model_dump_json())
+    chosen = NgramIndex(n=5)
+    dropped = dict.fromkeys(RULES, 0)
     rows: list[dict[str, Any]] = []
-    metrics: dict[str, Any] = {"dropped_held_out": 0, "dropped_duplicate": 0}
-    seen: set[str] = set()
+    metrics: dict[str, Any] = {}
     for spec, share in zip(config.environments, shares, strict=True):
         env = rt.env(spec.name)
-        candidates = env.problems("train", share, seed_for(config.seed, iteration, spec.name)) if share else []
-        kept = 0
+        if not share:
+            metrics[f"problems_{spec.name}"] = 0
+            continue
+        candidates = env.problems("train", share * rules.oversample, seed_for(config.seed, iteration, spec.name))
+        history = attempt_history(rt, iteration, [p.id for p in candidates], rules.history_k)
+        kept: list[Problem] = []
+        ids = {row["problem_id"] for row in rows}
         for problem in candidates:
-            if problem.id in held_out:
-                metrics["dropped_held_out"] += 1
+            if len(kept) == share:
+                break
+            attempts, passes = history.get(problem.id, (0, 0))
+            if problem.id in ids:
+                rule = "duplicate"
+            elif chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
+                rule = "near_duplicate"
+            elif problem.id in held_ids or held_index.overlaps(problem.prompt):
+                rule = "contaminated"
+            elif rules.history_k and attempts >= rules.history_k and passes == attempts:
+                rule = "too_easy"
+            elif rules.history_k and attempts >= rules.history_k and passes == 0:
+                rule = "too_hard"
+            else:
+                rule = None
+            if rule is not None:
+                dropped[rule] += 1
                 continue
-            if problem.id in seen:
-                metrics["dropped_duplicate"] += 1
-                continue
-            seen.add(problem.id)
-            kept += 1
-            rows.append({
-                "campaign": rt.campaign, "iteration": iteration, "problem_id": problem.id, "env": env.name,
-                "split": problem.split, "prompt": problem.prompt, "payload": to_json(problem.payload),
-                "messages": to_json(env.messages(problem)), "created_at": now(),
-            })
-        metrics[f"problems_{spec.name}"] = kept
+            kept.append(problem)
+            ids.add(problem.id)
+            chosen.add(problem.prompt)
+        rows += [{
+            "campaign": rt.campaign, "iteration": iteration, "problem_id": p.id, "env": env.name, "split": p.split,
+            "prompt": p.prompt, "payload": to_json(p.payload), "messages": to_json(env.messages(p)),
+            "created_at": now(),
+        } for p in kept]
+        metrics[f"problems_{spec.name}"] = len(kept)
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)
+    metrics.update({f"dropped_{rule}": count for rule, count in dropped.items()})
     return metrics
 
 

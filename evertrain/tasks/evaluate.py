@@ -1,12 +1,15 @@
-"""Stage 5, evaluate: challenger and champion answer the same held-out problems, greedily.
+"""Stage 5, evaluate: challenger and champion answer the same held-out problems.
 
-A model version's answers to a held-out problem never change (greedy decoding, fixed eval set), so a
-version that was already evaluated, typically the champion, reuses its earlier rows instead of being
-run again: each iteration usually costs one evaluation, not two.
+Sample 0 of every problem is greedy: its reward is the pass@1 that the promotion gate compares. With
+``eval.samples = n`` each problem also gets n sampled attempts, from which pass@n is estimated with
+the unbiased estimator. A model version's answers never change (greedy decoding, a fixed eval set,
+seeded sampling), so a version that was already evaluated, typically the champion, reuses its earlier
+rows instead of being run again: each iteration usually costs one evaluation, not two.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -16,12 +19,22 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
-from evertrain.data.store import StoreError, now
+from evertrain.data.store import StoreError, now, to_json
 from evertrain.envs.base import Problem
-from evertrain.models.policy import encode_chat, load_policy, sample
-from evertrain.runtime import Runtime, get_runtime
+from evertrain.models.episodes import sample_episodes
+from evertrain.models.policy import encode_chat, load_policy
+from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs, verify_many
 from evertrain.tasks.base import progress, run_stage
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n attempts of which c passed (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} attempts, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def eval_problems(rt: Runtime) -> list[Problem]:
@@ -48,53 +61,83 @@ def champion_of(rt: Runtime, iteration: int) -> int:
     return rt.champion_version()
 
 
+def _attempts(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], samples: int,
+              version: int, bar: Any) -> list[tuple[Problem, int, Any]]:
+    """(problem, sample, episode) for every attempt: greedy sample 0, then ``samples`` sampled ones."""
+    config = rt.config
+    out: list[tuple[Problem, int, Any]] = []
+    for env_name in sorted({p.env for p in problems}):
+        env = rt.env(env_name)
+        batch = [p for p in problems if p.env == env_name]
+        prompts = [encode_chat(tokenizer, env.messages(p)) for p in batch]
+        limit = config.max_new_tokens(env_name, evaluation=True)
+        greedy, _ = sample_episodes(model, tokenizer, env, batch, prompts, 1, greedy=True, max_new_tokens=limit,
+                                    batch_size=config.generation.batch_size, progress=bar)
+        out += [(p, 0, g[0]) for p, g in zip(batch, greedy, strict=True)]
+        if samples:
+            sampled, _ = sample_episodes(
+                model, tokenizer, env, batch, prompts, samples, max_new_tokens=limit,
+                temperature=config.generation.temperature, top_p=config.generation.top_p,
+                batch_size=config.generation.batch_size, seed=seed_for(config.seed, "eval", version, env_name))
+            out += [(p, i + 1, e) for p, g in zip(batch, sampled, strict=True) for i, e in enumerate(g)]
+    return out
+
+
 def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iteration: int, role: str,
                      ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Eval rows of ``version`` on ``problems``: reused where this version answered before, else generated."""
     config = rt.config
-    ids = [p.id for p in problems]
+    wanted = config.eval.samples + 1
     earlier = rt.store.query(
-        """SELECT * FROM evals WHERE campaign = ? AND model_version = ? AND iteration <> ? AND sample = 0
+        """SELECT * FROM evals WHERE campaign = ? AND model_version = ? AND iteration <> ? AND sample < ?
            AND problem_id IN (SELECT unnest(?::VARCHAR[]))
-           QUALIFY row_number() OVER (PARTITION BY problem_id ORDER BY iteration DESC) = 1""",
-        [rt.campaign, version, iteration, ids],
+           QUALIFY row_number() OVER (PARTITION BY problem_id, sample ORDER BY iteration DESC) = 1""",
+        [rt.campaign, version, iteration, wanted, [p.id for p in problems]],
     )
-    reused = {row["problem_id"]: row for row in earlier.to_dict("records")}
+    complete = earlier.groupby("problem_id")["sample"].nunique()
+    reusable = set(complete[complete == wanted].index)
     stamp = now()
-    rows = [{**reused[p.id], "iteration": iteration, "role": role, "reused_from": reused[p.id]["iteration"],
-             "created_at": stamp} for p in problems if p.id in reused]
-    todo = sorted((p for p in problems if p.id not in reused), key=lambda p: p.env)
-    stats = {"generated": float(len(todo)), "reused": float(len(rows)), "completion_tokens": 0.0, "model_s": 0.0}
-    if todo:
-        model, tokenizer = load_policy(rt.checkpoint(version), dtype=getattr(torch, config.model.rollout_dtype),
-                                       device=config.model.device)
-        began = time.perf_counter()
-        completions = []
-        with progress(len(todo), f"evaluate i={iteration} v{version}", "problem") as bar:
-            for env in sorted({p.env for p in todo}):
-                batch = [p for p in todo if p.env == env]
-                groups, sampling = sample(
-                    model, tokenizer, [encode_chat(tokenizer, rt.env(env).messages(p)) for p in batch], 1,
-                    greedy=True, batch_size=config.generation.batch_size,
-                    max_new_tokens=config.max_new_tokens(env, evaluation=True), progress=bar,
-                )
-                completions += [group[0] for group in groups]
-                stats["completion_tokens"] += sampling.completion_tokens
-        stats["model_s"] = time.perf_counter() - began
-        verdicts = verify_many([(rt.env(p.env), p, c.text) for p, c in zip(todo, completions, strict=True)])
-        audit = [{**row, "campaign": rt.campaign, "iteration": iteration}
-                 for v in verdicts for row in pop_sandbox_runs(v)]
-        if audit:
-            rt.store.append("sandbox_runs", audit)
-        stats["sandbox_runs"] = float(len(audit))
-        for p, c, v in zip(todo, completions, verdicts, strict=True):
-            rows.append({
-                "campaign": rt.campaign, "iteration": iteration, "model_version": version, "role": role,
-                "problem_id": p.id, "sample": 0, "env": p.env, "completion": c.text,
-                "completion_tokens": len(c.completion_ids), "reward": v.reward, "passed": v.passed,
-                "reason": v.reason, "reused_from": None, "created_at": stamp,
-            })
+    rows = [{**row, "iteration": iteration, "role": role, "reused_from": row["iteration"], "created_at": stamp}
+            for row in earlier.to_dict("records") if row["problem_id"] in reusable]
+    todo = [p for p in problems if p.id not in reusable]
+    stats = {"generated": float(len(todo)), "reused": float(len(reusable)), "completion_tokens": 0.0,
+             "model_s": 0.0, "sandbox_runs": 0.0}
+    if not todo:
+        return rows, stats
+    model, tokenizer = load_policy(rt.checkpoint(version), dtype=getattr(torch, config.model.rollout_dtype),
+                                   device=config.model.device)
+    began = time.perf_counter()
+    with progress(len(todo), f"evaluate i={iteration} v{version}", "problem") as bar:
+        attempts = _attempts(rt, model, tokenizer, todo, config.eval.samples, version, bar)
+    stats["model_s"] = time.perf_counter() - began
+    verdicts = verify_many([(rt.env(p.env), p, e.text) for p, _, e in attempts])
+    audit = [{**run, "campaign": rt.campaign, "iteration": iteration}
+             for (_, _, e), v in zip(attempts, verdicts, strict=True) for run in e.sandbox_runs + pop_sandbox_runs(v)]
+    if audit:
+        rt.store.append("sandbox_runs", audit)
+    stats["sandbox_runs"] = float(len(audit))
+    for (p, index, e), v in zip(attempts, verdicts, strict=True):
+        stats["completion_tokens"] += sum(e.loss_mask)
+        rows.append({
+            "campaign": rt.campaign, "iteration": iteration, "model_version": version, "role": role,
+            "problem_id": p.id, "sample": index, "env": p.env, "completion": e.text,
+            "completion_tokens": sum(e.loss_mask), "turns": to_json(e.turns), "tool_calls": e.tool_calls,
+            "tool_errors": e.tool_errors, "rework": e.rework, "reward": v.reward, "passed": v.passed,
+            "reason": v.reason, "reused_from": None, "created_at": stamp,
+        })
     return rows, stats
+
+
+def env_metrics(frame: pd.DataFrame, samples: int) -> dict[str, float]:
+    """pass@1 (greedy), pass@k, tool calls, rework and tokens per attempt, for one version on one env."""
+    greedy = frame[frame["sample"] == 0]
+    metrics = {"pass1": float(greedy["reward"].mean()), "tool_calls": float(frame["tool_calls"].mean()),
+               "rework": float(frame["rework"].mean()), "tokens": float(frame["completion_tokens"].mean())}
+    if samples:
+        sampled = frame[frame["sample"] > 0].groupby("problem_id")["passed"]
+        metrics[f"pass{samples}"] = float(sampled.apply(lambda p: pass_at_k(len(p), int(p.sum()), samples)).mean())
+        metrics["pass1_sampled"] = float(frame[frame["sample"] > 0]["passed"].mean())
+    return metrics
 
 
 def evaluate(rt: Runtime, iteration: int) -> dict[str, Any]:
@@ -107,15 +150,15 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, Any]:
     for role, version in roles:
         version_rows, stats = evaluate_version(rt, version, problems, iteration, role)
         rows += version_rows
-        for key, value in stats.items():
-            metrics[f"{role}_{key}"] = value
+        metrics.update({f"{role}_{key}": value for key, value in stats.items()})
     frame = pd.DataFrame(rows)
     rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration}, frame)
     for role, version in roles:
         mine = frame[frame["model_version"] == version]
-        metrics[f"pass1_{role}"] = float(mine["reward"].mean())
-        for env, rewards in mine.groupby("env")["reward"]:
-            metrics[f"pass1_{role}_{env}"] = float(rewards.mean())
+        metrics[f"pass1_{role}"] = float(mine[mine["sample"] == 0]["reward"].mean())
+        for env, part in mine.groupby("env"):
+            for key, value in env_metrics(part, rt.config.eval.samples).items():
+                metrics[f"{key}_{role}_{env}"] = value
     if champion == challenger:
         metrics["pass1_champion"] = metrics["pass1_challenger"]
     return metrics

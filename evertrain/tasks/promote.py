@@ -108,7 +108,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     rule = rt.config.promotion
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
     evals = rt.store.query(
-        "SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ?",
+        "SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ? AND sample = 0",
         [rt.campaign, iteration],
     )
     if evals.empty or challenger not in set(evals["model_version"]):

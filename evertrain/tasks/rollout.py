@@ -17,7 +17,9 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
-from evertrain.models.policy import Sample, SamplingStats, encode_chat, load_policy, sample
+from evertrain.envs.base import Problem
+from evertrain.models.episodes import Episode, sample_episodes
+from evertrain.models.policy import SamplingStats, encode_chat, load_policy
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 
@@ -25,7 +27,8 @@ from evertrain.tasks.base import progress, run_stage
 def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
     config = rt.config
     problems = rt.store.query(
-        "SELECT problem_id, env, messages FROM problems WHERE campaign = ? AND iteration = ? ORDER BY env, problem_id",
+        """SELECT problem_id, env, prompt, payload, messages FROM problems WHERE campaign = ? AND iteration = ?
+           ORDER BY env, problem_id""",
         [rt.campaign, iteration],
     )
     if problems.empty:
@@ -36,39 +39,46 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
     G, gen = config.group_size, config.generation
     began = time.perf_counter()
-    groups: list[list[Sample]] = []
+    groups: list[list[Episode]] = []
     stats = SamplingStats()
     with progress(len(prompts) * G, f"rollout  i={iteration}", "completion") as bar:
         # one environment at a time: similar lengths decode together, each with its own length limit
-        for env, rows in problems.groupby("env", sort=True).indices.items():
-            env_groups, env_stats = sample(
-                model, tokenizer, [prompts[i] for i in rows], G, max_new_tokens=config.max_new_tokens(env),
-                temperature=gen.temperature, top_p=gen.top_p, batch_size=gen.batch_size,
-                seed=seed_for(config.seed, iteration, "rollout", env), progress=bar,
+        for env_name, rows in problems.groupby("env", sort=True).indices.items():
+            env = rt.env(env_name)
+            env_problems = [Problem(env_name, problems["problem_id"].iloc[i], problems["prompt"].iloc[i],
+                                    json.loads(problems["payload"].iloc[i])) for i in rows]
+            env_groups, env_stats = sample_episodes(
+                model, tokenizer, env, env_problems, [prompts[i] for i in rows], G,
+                max_new_tokens=config.max_new_tokens(env_name), temperature=gen.temperature, top_p=gen.top_p,
+                batch_size=gen.batch_size, seed=seed_for(config.seed, iteration, "rollout", env_name), progress=bar,
             )
             groups += env_groups
             stats.merge(env_stats)
     seconds = time.perf_counter() - began
     rows = []
+    audit = []
     stamp = now()
-    for (problem_id, env, _), prompt_ids, group in zip(problems.itertuples(index=False), prompts, groups,
-                                                        strict=True):
+    for problem, prompt_ids, group in zip(problems.itertuples(index=False), prompts, groups, strict=True):
         prompt_text = tokenizer.decode(prompt_ids)
-        for index, s in enumerate(group):
+        for index, e in enumerate(group):
+            audit += [{**run, "campaign": rt.campaign, "iteration": iteration} for run in e.sandbox_runs]
             rows.append({
-                "campaign": rt.campaign, "iteration": iteration, "problem_id": problem_id, "sample": index,
-                "env": env, "policy_version": version, "prompt_text": prompt_text, "completion": s.text,
-                "prompt_ids": prompt_ids, "completion_ids": s.completion_ids, "logprobs": s.logprobs,
-                "turns": to_json([{"role": "assistant", "content": s.text}]), "finish_reason": s.finish_reason,
-                "prompt_tokens": len(prompt_ids), "completion_tokens": len(s.completion_ids),
-                "generated_at": stamp,
+                "campaign": rt.campaign, "iteration": iteration, "problem_id": problem.problem_id, "sample": index,
+                "env": problem.env, "policy_version": version, "prompt_text": prompt_text, "completion": e.text,
+                "prompt_ids": prompt_ids, "completion_ids": e.completion_ids, "logprobs": e.logprobs,
+                "loss_mask": e.loss_mask, "turns": to_json(e.turns), "finish_reason": e.finish_reason,
+                "prompt_tokens": len(prompt_ids), "completion_tokens": sum(e.loss_mask),
+                "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "rework": e.rework, "generated_at": stamp,
             })
     rt.store.replace("rollouts", {"campaign": rt.campaign, "iteration": iteration}, pd.DataFrame(rows))
+    if audit:
+        rt.store.append("sandbox_runs", audit)
     return {
         "policy_version": version, "completions": len(rows), "prompt_tokens": stats.prompt_tokens,
         "cached_prompt_tokens": stats.cached_prompt_tokens, "completion_tokens": stats.completion_tokens,
         "model_s": stats.forward_seconds, "tokens_per_s": stats.completion_tokens / max(seconds, 1e-9),
         "truncated_share": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+        "tool_calls": sum(r["tool_calls"] for r in rows) / len(rows),
     }
 
 

@@ -28,11 +28,21 @@ from evertrain.tasks.base import progress, run_stage
 
 
 @dataclass
+class Member:
+    """One trainable completion: its tokens, their sampling log-probs, its advantage, which tokens are its own."""
+
+    ids: list[int]
+    logprobs: list[float]
+    advantage: float
+    loss_mask: list[int]  # 0 for tool output inside a multi-turn episode: context, not action
+
+
+@dataclass
 class Group:
-    """One problem's prompt and its trainable completions: (completion ids, sampling log-probs, advantage)."""
+    """One problem's prompt and its trainable completions."""
 
     prompt: list[int]
-    members: list[tuple[list[int], list[float], float]]
+    members: list[Member]
 
 
 def _batches(groups: list[Group], size: int) -> list[list[Group]]:
@@ -55,7 +65,7 @@ def _trainable_snapshot(model: Any) -> dict[str, torch.Tensor]:
 def update(rt: Runtime, iteration: int) -> dict[str, Any]:
     config, cfg = rt.config, rt.config.update
     frame = rt.store.query(
-        """SELECT problem_id, sample, policy_version, prompt_ids, completion_ids, logprobs, reward
+        """SELECT problem_id, sample, policy_version, prompt_ids, completion_ids, logprobs, loss_mask, reward
            FROM rollouts WHERE campaign = ? AND iteration = ? ORDER BY problem_id, sample""",
         [rt.campaign, iteration],
     )
@@ -75,7 +85,8 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
             skipped += 1
             continue
         advantages = group_advantages(rewards, cfg.algorithm)[0].tolist()
-        members = [(list(r.completion_ids), list(r.logprobs), a)
+        members = [Member(list(r.completion_ids), list(r.logprobs), a,
+                          [int(x) for x in r.loss_mask] if r.loss_mask is not None else [1] * len(r.completion_ids))
                    for r, a in zip(rows.itertuples(index=False), advantages, strict=True) if len(r.completion_ids)]
         if members:
             groups.append(Group(list(rows["prompt_ids"].iloc[0]), members))
@@ -107,26 +118,29 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
     with progress(len(schedule), f"update   i={iteration}", "step") as bar:
         for minibatch in schedule:
             members = [m for g in minibatch for m in g.members]
-            norm = LossNorm(sequences=len(members), tokens=sum(len(m[0]) for m in members),
+            norm = LossNorm(sequences=len(members), tokens=sum(sum(m.loss_mask) for m in members),
                             max_completion_length=longest)
             optimizer.zero_grad(set_to_none=True)
             began = time.perf_counter()
             total = 0.0
             for micro in _batches(minibatch, cfg.microbatch_size):
                 prompts = [g.prompt for g in micro]
-                completions = [[m[0] for m in g.members] for g in micro]
+                completions = [[m.ids for m in g.members] for g in micro]
                 part = [m for g in micro for m in g.members]
                 new_logps, mask = grouped_logprobs(model, prompts, completions, temperature=temperature,
                                                    pad_id=pad)
                 old = torch.zeros_like(new_logps)
+                own = torch.zeros_like(mask)
                 for i, m in enumerate(part):
-                    old[i, :len(m[1])] = torch.tensor(m[1], device=old.device)
+                    old[i, :len(m.logprobs)] = torch.tensor(m.logprobs, device=old.device)
+                    own[i, :len(m.loss_mask)] = torch.tensor(m.loss_mask, device=own.device, dtype=torch.bool)
+                mask = mask & own
                 ref_logps = None
                 if reference is not None:
                     with torch.no_grad():
                         ref_logps, _ = grouped_logprobs(reference, prompts, completions,
                                                         temperature=temperature, pad_id=pad)
-                advantages = torch.tensor([m[2] for m in part], dtype=torch.float32, device=old.device)
+                advantages = torch.tensor([m.advantage for m in part], dtype=torch.float32, device=old.device)
                 loss, stats = policy_loss(
                     new_logps, old, advantages, mask, norm, algorithm=cfg.algorithm,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logps=ref_logps, kl_coef=cfg.kl_coef,
@@ -168,7 +182,7 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "challenger_version": version, "start_version": start_version, "steps": steps,
         "trained_sequences": trained_sequences, "groups": len(all_groups), "skipped_zero_variance_groups": skipped,
-        "trained_tokens": sum(len(m[0]) for g in groups for m in g.members) * cfg.epochs,
+        "trained_tokens": sum(sum(m.loss_mask) for g in groups for m in g.members) * cfg.epochs,
         "loss": sum(losses) / len(losses) if losses else 0.0,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         "weight_delta_norm": delta, "model_s": model_seconds,

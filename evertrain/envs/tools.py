@@ -1,0 +1,494 @@
+"""Multi-turn tool use: the call format, the tools (sandboxed Python, read-only SQL), and transcript grading.
+
+The tool-call format
+--------------------
+
+SmolLM2's ChatML template has no native tool-call format, so the format is plain text any chat model
+can write, and the tool's reply is an ordinary chat message with role ``tool``::
+
+    <|im_start|>assistant
+    391 cookies were baked; I will let Python do the subtraction.
+    <python>
+    17 * 23 - 250
+    </python><|im_end|>
+    <|im_start|>tool
+    141<|im_end|>
+    <|im_start|>assistant
+    17 trays of 23 cookies are 391 cookies, and 391 - 250 = 141 are left.
+    #### 141<|im_end|>
+
+The rules, for a tool named NAME (``python``, ``sql``):
+
+- A call is a block ``<NAME>input</NAME>`` in an assistant turn; prose before it is fine. The policy
+  should end its turn at the closing tag (the rollout may stop generation there: :func:`stop_strings`).
+- Only the FIRST tool block of a turn is a call: the turn ends at its closing tag, so anything after
+  it (a made-up result, a second block) is ignored. It runs when its input is not blank.
+- A block is well formed when the next tool tag after ``<NAME>`` is ``</NAME>``: no nesting, no other
+  tool's tag inside, no missing closing tag. A turn whose first tool block is malformed has no call.
+  Tags tolerate whitespace and case (``< Python >``); a Markdown code fence around the input is removed.
+- A final-answer marker (``####`` or ``\\boxed{``) written outside every tool block makes the turn a
+  FINAL ANSWER: it runs no tool, even if it also holds a call. A marker inside a block is code, not
+  an answer.
+- The tool's output comes back as the next message, role ``tool`` (:func:`format_tool_result`: at
+  most 500 characters, then a truncation marker; ``<|`` is defused so that output cannot forge chat
+  structure). The policy then continues with a new assistant turn.
+- The episode ends at the first assistant turn without a call, or after ``env.max_turns`` assistant
+  turns. Only the final assistant turn is graded, under the strict final-answer rule
+  (:mod:`evertrain.envs.answers`), with every well-formed tool block removed first: tool messages are
+  never graded, so a tool that prints ``#### 42`` supplies nothing, and neither does a ``#### 42``
+  inside a call.
+
+The tools
+---------
+
+- :class:`PythonTool` (``python``): the code runs in the bubblewrap sandbox (no network, no host
+  files, standard library only, 5 s, 256 MB); the reply is its stdout, and when the last statement is
+  an expression its value too (a calculator: ``17 * 23`` replies ``391``); an error replies with its last
+  line and ``error=True``. The sandbox records ride on the result (``sandbox_runs``) for the audit table.
+- :class:`SqlTool` (``sql``): one read-only SELECT over a small DuckDB table, in a fresh in-memory
+  database per call with file and network access switched off and the configuration locked; at most
+  20 rows, 2 s, 128 MB.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import re
+import textwrap
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from functools import cached_property
+from typing import Any, ClassVar
+
+from evertrain.envs.answers import grade_math
+from evertrain.envs.base import Environment, Problem, Tool, ToolResult, Verdict, vendored_path
+from evertrain.sandbox.bwrap import Limits, run_python
+
+FINAL_MARKERS = ("####", "\\boxed{")
+MAX_TOOL_OUTPUT = 500  # characters of a tool's output the policy sees
+_FENCE = re.compile(r"\A\s*```[\w+-]*[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.DOTALL)
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name and the text inside its tags (fence removed, dedented)."""
+
+    name: str
+    input: str
+
+
+@dataclass
+class ToolOutput(ToolResult):
+    """A tool result that also carries the audit rows of the sandboxed processes it ran.
+
+    ``sandbox_runs`` holds ``SandboxRunRecord.to_row()`` dicts with ``started_at`` as an ISO string
+    (JSON-safe): the rollout adds campaign and iteration and appends them to ``sandbox_runs``.
+    """
+
+    sandbox_runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _tag_pattern(names: Iterable[str]) -> re.Pattern[str] | None:
+    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
+    return re.compile(rf"<\s*(/?)\s*({alternatives})\s*>", re.IGNORECASE) if alternatives else None
+
+
+def _blocks(text: str, names: Iterable[str]) -> list[tuple[int, int, str, str, bool]]:
+    """Every tool block opened in ``text``: (start, end, name, inner, well_formed), in order.
+
+    A block opened by ``<NAME>`` is well formed when the very next tool tag is ``</NAME>``; a
+    malformed block spans only its opening tag.
+    """
+    canonical = {name.lower(): name for name in names}
+    pattern = _tag_pattern(canonical.values())
+    if pattern is None:
+        return []
+    tags = list(pattern.finditer(text))
+    blocks = []
+    for i, tag in enumerate(tags):
+        if tag.group(1):
+            continue  # a closing tag: consumed by its opening tag, or stray
+        name = canonical[tag.group(2).lower()]
+        after = tags[i + 1] if i + 1 < len(tags) else None
+        if after is not None and after.group(1) and after.group(2).lower() == name.lower():
+            blocks.append((tag.start(), after.end(), name, text[tag.end():after.start()], True))
+        else:
+            blocks.append((tag.start(), tag.end(), name, "", False))
+    return blocks
+
+
+def strip_tool_blocks(text: str, tools: Iterable[str]) -> str:
+    """``text`` with every well-formed tool block removed: what remains is what gets graded."""
+    kept, position = [], 0
+    for start, end, _, _, well_formed in _blocks(text, tools):
+        if well_formed:
+            kept.append(text[position:start])
+            position = end
+    kept.append(text[position:])
+    return "".join(kept)
+
+
+def has_final_answer(text: str, tools: Iterable[str] = ()) -> bool:
+    """Whether ``text`` holds a final-answer marker outside every well-formed tool block."""
+    outside = strip_tool_blocks(text, tools)
+    return any(marker in outside for marker in FINAL_MARKERS)
+
+
+def _clean_input(inner: str) -> str:
+    if match := _FENCE.match(inner):
+        inner = match.group(1)
+    return textwrap.dedent(inner).strip("\n").rstrip()
+
+
+def parse_tool_call(text: str, tools: Iterable[str]) -> ToolCall | None:
+    """The call an assistant turn makes, or None when the turn is a final answer (see the module rules).
+
+    ``tools`` is the environment's ``tools`` mapping (or any iterable of tool names). The call is the
+    turn's first tool block, provided it is well formed, its input is not blank, and the turn has no
+    final-answer marker outside its tool blocks.
+    """
+    names = list(tools)
+    blocks = _blocks(text, names)
+    if not blocks:
+        return None
+    _, _, name, inner, well_formed = blocks[0]
+    if not well_formed or has_final_answer(text, names):
+        return None
+    code = _clean_input(inner)
+    return ToolCall(name, code) if code.strip() else None
+
+
+def stop_strings(tools: Iterable[str]) -> list[str]:
+    """Closing tags at which a sampler may stop an assistant turn: the turn ends with its call."""
+    return [f"</{name}>" for name in tools]
+
+
+def format_tool_result(name: str, result: ToolResult, limit: int = MAX_TOOL_OUTPUT) -> str:
+    """The content of the ``tool`` message for ``result``: short, and unable to forge chat structure.
+
+    Trailing whitespace goes; output past ``limit`` characters is cut with a marker saying how much;
+    ``<|`` becomes ``< |`` so printed text cannot become ChatML special tokens (``<|im_end|>``) when
+    the chat is tokenized again. An empty output says so, so the policy knows the call ran.
+    """
+    text = result.output.rstrip()
+    if not text.strip():
+        text = f"({name} returned no output)"
+    if len(text) > limit:
+        text = text[:limit] + f"\n… [truncated: {len(text) - limit} more characters]"
+    return text.replace("<|", "< |")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Python tool
+
+PYTHON_LIMITS = Limits(timeout_s=5.0, cpu_s=5, memory_mb=256, nproc=16, nofile=32, fsize_mb=1, tmpfs_mb=8,
+                       output_keep_bytes=8 * 1024, output_kill_bytes=1024 * 1024)
+
+# Runs inside the sandbox: the policy's code is /sandbox/code.py. Like a REPL, the value of a final
+# expression statement is printed (so ``17 * 23`` works as a calculator); an error prints its last
+# line to stderr, without the traceback through this wrapper.
+_PYTHON_RUNNER = """\
+import ast, sys
+try:
+    with open('/sandbox/code.py', encoding='utf-8') as f:
+        tree = ast.parse(f.read(), '<python>')
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    scope = {'__name__': '__main__', '__builtins__': __builtins__}
+    exec(compile(tree, '<python>', 'exec'), scope)
+    if last is not None:
+        value = eval(compile(last, '<python>', 'eval'), scope)
+        if value is not None:
+            print(repr(value))
+except SystemExit:
+    raise
+except BaseException as error:
+    sys.stdout.flush()
+    message = str(error).strip().splitlines()
+    print(type(error).__name__ + (': ' + message[-1] if message else ''), file=sys.stderr)
+    sys.exit(1)
+"""
+
+_LIMIT_MESSAGES = {
+    "timeout": "TimeoutError: the code ran longer than {timeout:g} s",
+    "cpu": "TimeoutError: the code used more than {cpu} s of CPU",
+    "memory": "MemoryError: the code used more than {memory} MB",
+    "output": "the code printed too much output",
+    "nproc": "the code started too many processes or threads",
+    "fsize": "the code wrote too large a file",
+}
+
+
+class PythonTool(Tool):
+    """Runs the policy's Python in the bubblewrap sandbox; replies with what it printed."""
+
+    name: ClassVar[str] = "python"
+    description: ClassVar[str] = (
+        "Runs Python 3 (standard library only, no files, no network, 5 s) and replies with what it "
+        "printed; the value of a final bare expression is printed too, like a calculator.")
+
+    def __init__(self, limits: Limits = PYTHON_LIMITS) -> None:
+        self.limits = limits
+
+    def run(self, call: str, problem: Problem) -> ToolOutput:
+        """Run ``call``. Never raises on what it contains; raises SandboxUnavailable (an operator's problem)."""
+        code = call.encode("utf-8", "replace")  # a lone surrogate must not raise here
+        record = run_python(_PYTHON_RUNNER, purpose="tool:python", limits=self.limits, files={"code.py": code})
+        rows = [{**record.to_row(), "started_at": record.started_at.isoformat()}]
+        output = record.stdout
+        failed = record.exit_code != 0 or record.limit_hit is not None
+        if failed:
+            if record.limit_hit in _LIMIT_MESSAGES:
+                line = _LIMIT_MESSAGES[record.limit_hit].format(
+                    timeout=self.limits.timeout_s, cpu=self.limits.cpu_s, memory=self.limits.memory_mb)
+            else:
+                lines = [line for line in record.stderr.splitlines() if line.strip()]
+                line = lines[-1] if lines else f"the code failed (exit {record.exit_code}, signal {record.signal})"
+            output = (output.rstrip("\n") + "\n" + line) if output.strip() else line
+        return ToolOutput(output=output, error=failed, sandbox_runs=rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The SQL tool
+
+
+@dataclass(frozen=True)
+class SqlTable:
+    """A vendored CSV loaded as one DuckDB table: its name, CSV path (under data/), and column types."""
+
+    name: str
+    csv: tuple[str, ...]
+    columns: tuple[tuple[str, str], ...]
+
+    def ddl(self) -> str:
+        return f"CREATE TABLE {self.name} ({', '.join(f'{c} {t}' for c, t in self.columns)})"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, (dt.date, dt.datetime)):
+        return value.isoformat()
+    if isinstance(value, (Decimal, int)):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    text = str(value)
+    return text if len(text) <= 100 else text[:100] + "…"
+
+
+def _duckdb_error(error: Exception) -> str:
+    lines = []
+    for line in str(error).splitlines():
+        if line.startswith("LINE "):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return " ".join(lines)[:300] or type(error).__name__
+
+
+class SqlTool(Tool):
+    """Runs one read-only SELECT over a small vendored DuckDB table and replies with the rows.
+
+    Untrusted SQL runs in this process, so each call gets a fresh in-memory database (nothing a call
+    does can reach the next) that is locked down before the policy's SQL touches it: no file or
+    network access (so no COPY, ATTACH, INSTALL/LOAD, read_csv of host files), extensions never
+    auto-installed or auto-loaded, no spilling to a temp directory, one thread, 128 MB, and the
+    configuration locked so the SQL cannot undo any of it. On top of that only a single SELECT (or
+    WITH ... SELECT, VALUES, DESCRIBE) statement is accepted, at most ``max_rows`` rows come back,
+    and a timer interrupts the query after ``timeout_s`` seconds (an endless recursive CTE).
+    """
+
+    name: ClassVar[str] = "sql"
+    description: ClassVar[str] = "Runs one read-only DuckDB SELECT over the table and replies with up to 20 rows."
+
+    def __init__(self, table: SqlTable, *, max_rows: int = 20, timeout_s: float = 2.0,
+                 memory_limit: str = "128MB") -> None:
+        self.table, self.max_rows, self.timeout_s, self.memory_limit = table, max_rows, timeout_s, memory_limit
+
+    @cached_property
+    def _insert(self) -> tuple[str, list[list[str]]]:
+        """The table's rows, read once from the CSV (host file access happens only here)."""
+        with vendored_path(*self.table.csv).open(newline="") as file:
+            rows = list(csv.reader(file))
+        header, body = rows[0], rows[1:]
+        expected = [c for c, _ in self.table.columns]
+        if header != expected:
+            raise ValueError(f"{self.table.csv}: header {header} is not {expected}")
+        marks = ", ".join("?" for _ in header)
+        return f"INSERT INTO {self.table.name} VALUES ({marks})", body
+
+    def connect(self) -> Any:
+        """A fresh, locked-down in-memory database holding the table (also used by tests and the generator)."""
+        import duckdb
+
+        insert, rows = self._insert
+        con = duckdb.connect(":memory:", config={"threads": 1, "memory_limit": self.memory_limit})
+        try:
+            con.execute(self.table.ddl())
+            con.executemany(insert, rows)
+            for setting in ("SET temp_directory = ''", "SET autoinstall_known_extensions = false",
+                            "SET autoload_known_extensions = false", "SET enable_external_access = false",
+                            "SET lock_configuration = true"):
+                con.execute(setting)
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    def run(self, call: str, problem: Problem) -> ToolOutput:
+        """Run ``call``; refusals, errors and timeouts come back as ``error=True``, never as exceptions."""
+        import duckdb
+
+        con = self.connect()
+        timer = threading.Timer(self.timeout_s, con.interrupt)
+        try:
+            try:
+                statements = con.extract_statements(call)
+            except duckdb.Error as error:
+                return ToolOutput(_duckdb_error(error), error=True)
+            if len(statements) != 1:
+                return ToolOutput(f"refused: write exactly one SQL statement (got {len(statements)})", error=True)
+            statement = statements[0]
+            if statement.type != duckdb.StatementType.SELECT:
+                kind = str(statement.type).rsplit(".", 1)[-1]
+                return ToolOutput(f"refused: only read-only SELECT queries are allowed (got {kind})", error=True)
+            timer.start()
+            try:
+                cursor = con.execute(statement.query)
+                rows = cursor.fetchmany(self.max_rows + 1)
+                columns = [d[0] for d in cursor.description or []]
+            except duckdb.InterruptException:
+                return ToolOutput(f"stopped: the query ran longer than {self.timeout_s:g} s", error=True)
+            except duckdb.Error as error:
+                return ToolOutput(_duckdb_error(error), error=True)
+        finally:
+            timer.cancel()
+            con.close()
+        shown = rows[:self.max_rows]
+        lines = [" | ".join(columns)] + [" | ".join(_cell(v) for v in row) for row in shown]
+        if len(rows) > self.max_rows:
+            lines.append(f"(first {self.max_rows} rows shown; more not shown)")
+        else:
+            lines.append(f"({len(shown)} row{'' if len(shown) == 1 else 's'})")
+        return ToolOutput("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environments with tools, and the episode loop
+
+
+class ToolEnvironment(Environment):
+    """An environment whose policy may call ``tools`` for up to ``max_turns`` assistant turns.
+
+    Grading looks only at the final assistant turn, with tool blocks removed (:meth:`verify`), or at
+    a whole transcript (:meth:`verify_transcript`). Subclasses implement :meth:`reference_calls` so
+    that :meth:`reference_transcript` can build a full episode that scores 1.
+    """
+
+    kind: ClassVar[str] = "tool"
+    # shown between the system prompt and the problem: user / assistant / tool messages of a worked episode
+    worked_example: ClassVar[tuple[Message, ...]] = ()
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        chat: list[dict[str, str]] = []
+        if self.system_prompt:
+            chat.append({"role": "system", "content": self.system_prompt})
+        for user, assistant in self.examples:
+            chat += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        chat += [dict(message) for message in self.worked_example]
+        chat.append({"role": "user", "content": problem.prompt})
+        return chat
+
+    def grade_answer(self, problem: Problem, text: str) -> Verdict:
+        """Grade the final turn's text (tool blocks already removed). Numbers, by the strict rule."""
+        return grade_math(text, problem.payload["answer"])
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        """Grade ``completion`` as the FINAL assistant turn: never pass a transcript with tool output in it."""
+        return self.grade_answer(problem, strip_tool_blocks(completion, self.tools))
+
+    def verify_transcript(self, problem: Problem, turns: list[Message]) -> Verdict:
+        """Grade an episode: the messages after the prompt (assistant and tool turns), in order.
+
+        Only the last assistant turn is graded. An episode that ends on a tool message or on a call
+        (the turn limit cut it off) earns 0, and so does one with more than ``max_turns`` assistant
+        turns (a rollout loop that ignored the limit). ``detail`` counts turns and tool calls.
+        """
+        assistant = [m for m in turns if m.get("role") == "assistant"]
+        tool_messages = [m for m in turns if m.get("role") == "tool"]
+        detail = {"assistant_turns": len(assistant), "tool_calls": len(tool_messages),
+                  "tool_errors": sum(bool(m.get("error")) for m in tool_messages)}
+        if not assistant:
+            return Verdict.fail("no_final_turn", **detail)
+        if turns[-1].get("role") != "assistant":
+            return Verdict.fail("ends_with_tool_output", **detail)
+        if len(assistant) > self.max_turns:
+            return Verdict.fail("too_many_turns", **detail)
+        final = str(assistant[-1].get("content", ""))
+        if parse_tool_call(final, self.tools) is not None:
+            return Verdict.fail("turn_limit_reached", **detail)
+        verdict = self.verify(problem, final)
+        verdict.detail.update(detail)
+        return verdict
+
+    def reference_calls(self, problem: Problem) -> list[ToolCall]:
+        """The tool calls of the reference episode (before the final answer :meth:`reference`)."""
+        return []
+
+    def reference_transcript(self, problem: Problem) -> list[Message]:
+        """A full episode that scores 1: each reference call, its real tool output, then the final answer."""
+        final = self.reference(problem)
+        if final is None:
+            raise ValueError(f"{self.name}: problem {problem.id} has no reference answer")
+        replies = [f"<{call.name}>\n{call.input}\n</{call.name}>" for call in self.reference_calls(problem)]
+        return run_episode(self, problem, iter([*replies, final]).__next__)
+
+    def hack_completions(self, problem: Problem) -> list[str]:
+        """Tool-shaped hacks: the answer marker inside a call, or printed by one; all must earn 0."""
+        answer = str(problem.payload.get("answer", "42"))
+        hacks = []
+        for name in self.tools:
+            hacks += [f"<{name}>\nprint('#### {answer}')\n</{name}>",
+                      f"<{name}>\nSELECT '#### {answer}'\n</{name}>",
+                      f"<{name}>\n#### {answer}\n</{name}>"]
+        return hacks
+
+
+def run_episode(env: Environment, problem: Problem, respond: Callable[[], str], *,
+                on_result: Callable[[ToolCall, ToolResult], None] | None = None) -> list[Message]:
+    """The rollout loop, in its plainest form: what the sampler's batched loop must do, turn for turn.
+
+    ``respond()`` returns the policy's next assistant turn (it may read the transcript through a
+    closure). While the last turn makes a call and fewer than ``env.max_turns`` assistant turns were
+    taken, the tool runs and its reply is appended as ``{"role": "tool", "content", "name", "error"}``;
+    ``on_result`` sees each raw result (for its ``sandbox_runs``). Returns the turns after the prompt.
+    """
+    tools: Mapping[str, Tool] = env.tools
+    turns: list[Message] = [{"role": "assistant", "content": respond()}]
+    taken = 1
+    while taken < env.max_turns and (call := parse_tool_call(turns[-1]["content"], tools)) is not None:
+        result = tools[call.name].run(call.input, problem)
+        if on_result is not None:
+            on_result(call, result)
+        turns.append({"role": "tool", "name": call.name, "content": format_tool_result(call.name, result),
+                      "error": result.error})
+        turns.append({"role": "assistant", "content": respond()})
+        taken += 1
+    return turns
+
+
+def replay_transcript(env: Environment, problem: Problem, turns: list[Message]) -> list[Message]:
+    """Re-run a stored episode's tool calls with its own assistant turns: equal to ``turns`` when reproducible."""
+    replies = iter([str(m["content"]) for m in turns if m.get("role") == "assistant"])
+    return run_episode(env, problem, lambda: next(replies, ""))

@@ -1,0 +1,129 @@
+"""Episodes: single-turn completions, or multi-turn tool use, sampled in batches.
+
+An agentic environment lets the policy call a tool by writing a tool block and ending its turn; the
+tool runs (sandboxed where it runs code), its output is appended as a ``tool`` message rendered by the
+model's own chat template, and the policy continues, until it answers without a tool call or reaches
+the environment's turn limit. Every turn is kept. The episode's completion is every token after the
+prompt, the policy's own and the tool messages'; ``loss_mask`` marks the policy's own tokens, the only
+ones the update trains on (tool output is context, not action).
+
+Turns are batched: all episodes' first turns decode together, then every episode that called a tool
+continues in the next batch, and so on.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from evertrain.envs.base import Environment, Problem
+from evertrain.models.policy import Sample, SamplingStats, sample
+
+PLACEHOLDER = "\u2063EVERTRAIN-ASSISTANT-TURN\u2063"
+
+
+@dataclass
+class Episode:
+    """One attempt at a problem: every token after the prompt, which ones are the policy's, every turn."""
+
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 where the token is not the policy's
+    loss_mask: list[int] = field(default_factory=list)  # 1: a policy token (trained on); 0: tool output
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    text: str = ""  # the final assistant turn: what the verifier grades
+    tool_calls: int = 0
+    tool_errors: int = 0
+    rework: int = 0  # tool calls made after an earlier call failed (retries after an error)
+    sandbox_runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_policy_turn(self, s: Sample) -> None:
+        start = len(self.completion_ids)
+        self.completion_ids += s.completion_ids
+        self.logprobs += s.logprobs
+        self.loss_mask += [1] * len(s.completion_ids)
+        self.turns.append({"role": "assistant", "content": s.text, "tokens": [start, len(self.completion_ids)]})
+        self.finish_reason, self.text = s.finish_reason, s.text
+
+    @classmethod
+    def single_turn(cls, s: Sample) -> Episode:
+        episode = cls()
+        episode.add_policy_turn(s)
+        return episode
+
+
+def tool_message_ids(tokenizer: Any, messages: list[dict[str, str]], tool_message: dict[str, str],
+                     eos_text: str) -> list[int]:
+    """Tokens that follow an assistant turn ended by ``eos_text``: the tool message and the next assistant
+    header, exactly as the model's chat template renders them."""
+    rendered = tokenizer.apply_chat_template(
+        [*messages, {"role": "assistant", "content": PLACEHOLDER}, tool_message],
+        tokenize=False, add_generation_prompt=True)
+    suffix = rendered[rendered.index(PLACEHOLDER) + len(PLACEHOLDER):]
+    suffix = suffix.removeprefix(eos_text)  # the policy already produced the end-of-turn token
+    return tokenizer(suffix, add_special_tokens=False)["input_ids"]
+
+
+def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list[Problem],
+                    prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
+                    top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
+                    progress: Any = None, tool_workers: int = 2) -> tuple[list[list[Episode]], SamplingStats]:
+    """``n`` episodes per problem of one environment (single- or multi-turn), with sampling statistics."""
+    groups, stats = sample(model, tokenizer, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed, progress=progress)
+    episodes = [[Episode.single_turn(s) for s in group] for group in groups]
+    if not env.tools or env.max_turns <= 1:
+        return episodes, stats
+
+    from evertrain.envs.tools import format_tool_result, parse_tool_call
+
+    eos_text = tokenizer.eos_token or ""
+    chats = [env.messages(p) for p in problems]
+    history: dict[tuple[int, int], list[dict[str, str]]] = {}
+    for turn in range(1, env.max_turns):
+        pending = []
+        for g, group in enumerate(episodes):
+            for i, episode in enumerate(group):
+                if episode.finish_reason != "stop" or sum(t["role"] == "assistant" for t in episode.turns) != turn:
+                    continue
+                call = parse_tool_call(episode.text, env.tools)
+                if call is not None:
+                    pending.append((g, i, call))
+        if not pending:
+            break
+
+        def run(item: tuple[int, int, Any]) -> Any:
+            g, _, call = item
+            return env.tools[call.name].run(call.input, problems[g])
+
+        with ThreadPoolExecutor(max_workers=tool_workers) as pool:
+            results = list(pool.map(run, pending))
+        contexts, owners = [], []
+        for (g, i, call), result in zip(pending, results, strict=True):
+            episode = episodes[g][i]
+            episode.rework += int(episode.tool_errors > 0)
+            episode.tool_calls += 1
+            episode.tool_errors += int(result.error)
+            episode.sandbox_runs += list(getattr(result, "sandbox_runs", []) or [])
+            message = {"role": "tool", "content": format_tool_result(call.name, result)}
+            chat = history.setdefault((g, i), list(chats[g]))
+            chat.append({"role": "assistant", "content": episode.turns[-1]["content"]})
+            ids = tool_message_ids(tokenizer, chat, message, eos_text)
+            chat.append(message)
+            start = len(episode.completion_ids)
+            episode.completion_ids += ids
+            episode.logprobs += [0.0] * len(ids)
+            episode.loss_mask += [0] * len(ids)
+            episode.turns.append({"role": "tool", "name": call.name, "input": call.input,
+                                  "content": message["content"], "output": result.output, "error": result.error,
+                                  "tokens": [start, len(episode.completion_ids)]})
+            contexts.append(prompts[g] + episode.completion_ids)
+            owners.append((g, i))
+        more, more_stats = sample(model, tokenizer, contexts, 1, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, greedy=greedy, batch_size=batch_size,
+                                  seed=seed + turn)
+        stats.merge(more_stats)
+        for (g, i), continuation in zip(owners, more, strict=True):
+            episodes[g][i].add_policy_turn(continuation[0])
+    return episodes, stats
