@@ -126,6 +126,43 @@ def _write_audit(audit: list[dict[str, Any]], store_path: str | None, output: Pa
     return f"{store.path} (sandbox_runs)"
 
 
+def cmd_envs(args: argparse.Namespace) -> int:
+    from evertrain.envs import registry
+    from evertrain.envs.quality import validate
+
+    rows = []
+    for name in registry.names(include_rg=True):
+        env = registry.get(name)
+        try:
+            count = env.count("train")
+            held = env.count("eval")
+        except Exception as error:
+            count, held = None, None
+            problems = f"needs options ({error})"
+        else:
+            problems = "generated" if count is None else f"{count} train / {held} eval"
+        row = {"name": name, "kind": env.kind, "source": env.source, "problems": problems,
+               "tools": sorted(env.tools), "max_turns": env.max_turns}
+        if args.validate:
+            report = validate(env, problems=args.validate)
+            row["validation"] = "ok" if report.ok else "; ".join(report.failures[:3]) or "no problems to check"
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(rows)} environments")
+    columns = ["name", "kind", "source", "problems", "tools"] + (["validation"] if args.validate else [])
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*[", ".join(row[c]) if isinstance(row[c], list) else str(row[c]) for c in columns])
+    Console().print(table)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store
@@ -241,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--workers", type=int, help="parallel graders (default: one per core)")
     score.add_argument("--store", help="DuckDB store for the sandbox audit rows (default data/evertrain.duckdb)")
     score.set_defaults(func=cmd_score)
+
+    envs = sub.add_parser("envs", help="list every registered environment")
+    envs.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    envs.add_argument("--validate", type=int, nargs="?", const=2, default=0, metavar="N",
+                      help="also validate each on N train and N eval problems (references earn 1, hacks 0)")
+    envs.set_defaults(func=cmd_envs)
 
     report = sub.add_parser("report", help="the per-iteration table of a campaign")
     report.add_argument("--campaign", required=True)

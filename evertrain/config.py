@@ -78,7 +78,7 @@ class CurationConfig(_Strict):
     history_k: int = Field(
         8, ge=0, description="Skip a problem the trainee solved on all, or none, of its last k attempts (0: off).")
     near_duplicate_jaccard: float = Field(
-        0.8, gt=0, le=1, description="Drop a problem whose word n-grams overlap a kept one's this much (Jaccard).")
+        0.7, gt=0, le=1, description="Drop a problem whose word 3-grams overlap a kept one's this much (Jaccard).")
     decontamination_ngram: int = Field(
         10, ge=3, description="Drop a problem sharing a word n-gram of this length with any held-out problem.")
 

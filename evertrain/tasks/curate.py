@@ -4,7 +4,7 @@ For each environment (its share of the iteration follows its weight) candidates 
 (campaign seed, iteration, environment) so a rerun chooses the same problems, then filtered in order:
 
 1. ``duplicate``: the same problem (content hash) already chosen this iteration;
-2. ``near_duplicate``: word n-grams overlapping a chosen problem's beyond ``curation.near_duplicate_jaccard``;
+2. ``near_duplicate``: word 3-grams overlapping a chosen problem's beyond ``curation.near_duplicate_jaccard``;
 3. ``contaminated``: sharing a word n-gram with any environment's held-out problem, or being one;
 4. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
    attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
@@ -65,7 +65,7 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     config, rules = rt.config, rt.config.curation
     shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
     held_ids, held_index = _held_out_index(config.model_dump_json())
-    chosen = NgramIndex(n=5)
+    chosen = NgramIndex(n=3)
     dropped = dict.fromkeys(RULES, 0)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}

@@ -1,0 +1,101 @@
+"""Curation keeps duplicates, contaminated and uninformative problems out of training, and counts them."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from evertrain.data.store import now
+from evertrain.envs import registry
+from evertrain.envs.quality import NgramIndex, validate
+from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+from evertrain.tasks.evaluate import pass_at_k
+from tests.conftest import smoke_config_in
+
+HELD = "A farmer has 12 cows and buys 7 more at the market on Sunday. How many cows does the farmer have now?"
+
+
+def test_ngram_index_finds_overlap_and_near_duplicates():
+    index = NgramIndex(n=8)
+    index.add(HELD)
+    assert index.overlaps("Story: a farmer has 12 cows and buys 7 more at the market on Sunday. Then?")
+    assert not index.overlaps("A baker bakes 40 loaves and sells 12 of them. How many loaves are left?")
+    near = NgramIndex(n=3)
+    near.add(HELD)
+    assert near.max_jaccard(HELD.replace("Sunday", "Monday")) > 0.7
+    assert near.max_jaccard("Completely different words in this sentence about the sea and ships") == 0.0
+
+
+def _code_problems(tmp_path):
+    rows = [
+        {"prompt": HELD + " Write cows().", "tests": ["assert cows() == 19"], "split": "eval"},
+        # the same problem with a different function name: contaminates the held-out set
+        {"prompt": HELD + " Write count_cows().", "tests": ["assert count_cows() == 19"], "split": "train"},
+    ] + [{"prompt": f"Write f{i}() returning {i} for task number {i} of the plain list.", "tests": [f"assert f{i}() == {i}"],
+          "split": "train"} for i in range(12)]
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_curate_drops_contaminated_problems(tmp_path, models_dir):
+    path = _code_problems(tmp_path)
+    config = smoke_config_in(tmp_path, models_dir, name="decontam", problems_per_iteration=13,
+                             environments=[{"name": "code", "weight": 1, "options": {"path": str(path)}}],
+                             eval={"problems_per_env": 1}, curation={"oversample": 1})
+    metrics = run_stage(get_runtime(config), "curate", 0, STAGE_FUNCTIONS["curate"])
+    assert metrics["dropped_contaminated"] == 1
+    prompts = get_runtime(config).store.query("SELECT prompt FROM problems")["prompt"]
+    assert not prompts.str.contains("farmer").any() and len(prompts) == 12
+
+
+def test_difficulty_history_skips_mastered_and_hopeless_problems(tmp_path, models_dir):
+    config = smoke_config_in(
+        tmp_path, models_dir, name="difficulty", problems_per_iteration=4,
+        environments=[{"name": "arithmetic", "weight": 1, "options": {"low": 2, "high": 5, "eval_pool": 8}}],
+        eval={"problems_per_env": 8}, curation={"oversample": 2, "history_k": 4})
+    rt = get_runtime(config)
+    train = registry.get("arithmetic", low=2, high=5, eval_pool=8).problems("train", 8, 0)
+    easy, hard = train[0].id, train[1].id
+    history = pd.DataFrame([
+        {"campaign": "difficulty", "iteration": 0, "problem_id": pid, "sample": s, "env": "arithmetic",
+         "policy_version": 1, "completion": "", "reward": float(ok), "passed": ok, "generated_at": now()}
+        for pid, ok in ((easy, True), (hard, False)) for s in range(4)])
+    rt.store.replace("rollouts", {"campaign": "difficulty", "iteration": 0}, history)
+    first = run_stage(rt, "curate", 1, STAGE_FUNCTIONS["curate"])
+    assert (first["dropped_too_easy"], first["dropped_too_hard"]) == (1, 1)
+    chosen = set(rt.store.query("SELECT problem_id FROM problems WHERE iteration = 1")["problem_id"])
+    assert easy not in chosen and hard not in chosen and len(chosen) == 4
+    # the history lives in the store: a new process (here: a fresh runtime) makes the same decisions
+    release_runtimes()
+    again = run_stage(get_runtime(config), "curate", 1, STAGE_FUNCTIONS["curate"])
+    assert (again["dropped_too_easy"], again["dropped_too_hard"]) == (1, 1)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "gsm8k", "digits", "mbpp"])
+def test_environment_validation(name):
+    report = validate(registry.get(name))
+    assert report.ok, report.failures
+
+
+def test_validation_catches_a_grader_that_trusts_hacks():
+    env = registry.get("arithmetic")
+
+    class Gullible(type(env)):
+        def verify(self, problem, completion):
+            verdict = super().verify(problem, completion.split(" or ")[0])
+            return verdict
+
+    report = validate(Gullible())
+    assert not report.ok and any("or" in failure for failure in report.failures)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 10, 5) == 1.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
