@@ -34,8 +34,8 @@ def _code_problems(tmp_path):
         {"prompt": HELD + " Write cows().", "tests": ["assert cows() == 19"], "split": "eval"},
         # the same problem with a different function name: contaminates the held-out set
         {"prompt": HELD + " Write count_cows().", "tests": ["assert count_cows() == 19"], "split": "train"},
-    ] + [{"prompt": f"Write f{i}() returning {i} for task number {i} of the plain list.", "tests": [f"assert f{i}() == {i}"],
-          "split": "train"} for i in range(12)]
+    ] + [{"prompt": f"Write f{i}() returning {i} for task number {i} of the plain list.",
+          "tests": [f"assert f{i}() == {i}"], "split": "train"} for i in range(12)]
     path = tmp_path / "problems.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
