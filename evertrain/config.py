@@ -120,11 +120,23 @@ class UpdateConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the champion (0 turns it off).")
     max_grad_norm: float = Field(1.0, gt=0)
     skip_zero_variance: bool = Field(True, description="Do not train on groups whose rewards all agree.")
+    max_staleness: int = Field(
+        0, ge=0, le=16, description="Largest policy-version lag of a rollout that may be trained on.")
+    replay: bool = Field(
+        False, description="Also train on earlier iterations' rollouts within max_staleness (a replay buffer).")
+    is_cap: float = Field(2.0, ge=1, description="Truncation of the importance weights of stale rollouts.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: the next iteration's rollouts are sampled while this one's update runs "
+        "(needs max_staleness >= 1).")
 
     @model_validator(mode="after")
-    def _micro_fits(self) -> UpdateConfig:
+    def _consistent(self) -> UpdateConfig:
         if self.microbatch_size > self.minibatch_size:
             raise ValueError("update.microbatch_size must not exceed update.minibatch_size")
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ValueError("update.mode = 'async' trains on rollouts one version old: set max_staleness >= 1")
+        if self.replay and self.max_staleness < 1:
+            raise ValueError("update.replay reuses older rollouts: set max_staleness >= 1")
         return self
 
 

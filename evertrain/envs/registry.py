@@ -12,6 +12,8 @@ BUILTIN: dict[str, str] = {
     "arithmetic": "evertrain.envs.arithmetic:Arithmetic",
     "digits": "evertrain.envs.digits:Digits",
     "gsm8k": "evertrain.envs.gsm8k:GSM8K",
+    "gsm8k-tools": "evertrain.envs.gsm8k_tools:GSM8KTools",
+    "sql": "evertrain.envs.sql:SqlQuestions",
     "code": "evertrain.envs.code:CodeEnvironment",
     "mbpp": "evertrain.envs.code:MBPP",
 }

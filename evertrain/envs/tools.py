@@ -7,7 +7,7 @@ SmolLM2's ChatML template has no native tool-call format, so the format is plain
 can write, and the tool's reply is an ordinary chat message with role ``tool``::
 
     <|im_start|>assistant
-    391 cookies were baked; I will let Python do the subtraction.
+    The baker makes 17 * 23 cookies and sells 250 of them.
     <python>
     17 * 23 - 250
     </python><|im_end|>
@@ -20,7 +20,8 @@ can write, and the tool's reply is an ordinary chat message with role ``tool``::
 The rules, for a tool named NAME (``python``, ``sql``):
 
 - A call is a block ``<NAME>input</NAME>`` in an assistant turn; prose before it is fine. The policy
-  should end its turn at the closing tag (the rollout may stop generation there: :func:`stop_strings`).
+  ends its turn at the closing tag, and the rollout should stop generating there (:func:`stop_strings`),
+  so that no made-up tool output is trained on.
 - Only the FIRST tool block of a turn is a call: the turn ends at its closing tag, so anything after
   it (a made-up result, a second block) is ignored. It runs when its input is not blank.
 - A block is well formed when the next tool tag after ``<NAME>`` is ``</NAME>``: no nesting, no other
@@ -44,7 +45,8 @@ The tools
 - :class:`PythonTool` (``python``): the code runs in the bubblewrap sandbox (no network, no host
   files, standard library only, 5 s, 256 MB); the reply is its stdout, and when the last statement is
   an expression its value too (a calculator: ``17 * 23`` replies ``391``); an error replies with its last
-  line and ``error=True``. The sandbox records ride on the result (``sandbox_runs``) for the audit table.
+  line (``Type: message``) and ``error=True``. The sandbox records ride on the result (``sandbox_runs``)
+  for the audit table.
 - :class:`SqlTool` (``sql``): one read-only SELECT over a small DuckDB table, in a fresh in-memory
   database per call with file and network access switched off and the configuration locked; at most
   20 rows, 2 s, 128 MB.
@@ -61,7 +63,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
+
+import duckdb
 
 from evertrain.envs.answers import grade_math
 from evertrain.envs.base import Environment, Problem, Tool, ToolResult, Verdict, vendored_path
@@ -214,8 +219,8 @@ except SystemExit:
     raise
 except BaseException as error:
     sys.stdout.flush()
-    message = str(error).strip().splitlines()
-    print(type(error).__name__ + (': ' + message[-1] if message else ''), file=sys.stderr)
+    message = ' '.join(str(error).split())
+    print(type(error).__name__ + (': ' + message if message else ''), file=sys.stderr)
     sys.exit(1)
 """
 
@@ -305,38 +310,39 @@ class SqlTool(Tool):
     network access (so no COPY, ATTACH, INSTALL/LOAD, read_csv of host files), extensions never
     auto-installed or auto-loaded, no spilling to a temp directory, one thread, 128 MB, and the
     configuration locked so the SQL cannot undo any of it. On top of that only a single SELECT (or
-    WITH ... SELECT, VALUES, DESCRIBE) statement is accepted, at most ``max_rows`` rows come back,
-    and a timer interrupts the query after ``timeout_s`` seconds (an endless recursive CTE).
+    WITH ... SELECT, VALUES, DESCRIBE) statement of at most ``max_query_chars`` is accepted, at most
+    ``max_rows`` rows come back, and a timer interrupts the query after ``timeout_s`` seconds (an
+    endless recursive CTE, a huge cross join).
     """
 
     name: ClassVar[str] = "sql"
     description: ClassVar[str] = "Runs one read-only DuckDB SELECT over the table and replies with up to 20 rows."
 
     def __init__(self, table: SqlTable, *, max_rows: int = 20, timeout_s: float = 2.0,
-                 memory_limit: str = "128MB") -> None:
+                 memory_limit: str = "128MB", max_query_chars: int = 4000, csv_path: Path | None = None) -> None:
         self.table, self.max_rows, self.timeout_s, self.memory_limit = table, max_rows, timeout_s, memory_limit
+        self.max_query_chars = max_query_chars
+        self.csv_path = csv_path  # None: the vendored file table.csv under data/
 
     @cached_property
-    def _insert(self) -> tuple[str, list[list[str]]]:
-        """The table's rows, read once from the CSV (host file access happens only here)."""
-        with vendored_path(*self.table.csv).open(newline="") as file:
+    def _insert(self) -> str:
+        """One INSERT of every row of the CSV, read once (the host file is read here, never by the SQL)."""
+        path = self.csv_path or vendored_path(*self.table.csv)
+        with path.open(newline="") as file:
             rows = list(csv.reader(file))
         header, body = rows[0], rows[1:]
         expected = [c for c, _ in self.table.columns]
-        if header != expected:
-            raise ValueError(f"{self.table.csv}: header {header} is not {expected}")
-        marks = ", ".join("?" for _ in header)
-        return f"INSERT INTO {self.table.name} VALUES ({marks})", body
+        if header != expected or any(len(row) != len(header) for row in body):
+            raise ValueError(f"{path}: not a table with columns {expected}")
+        values = ", ".join("(" + ", ".join("'" + v.replace("'", "''") + "'" for v in row) + ")" for row in body)
+        return f"INSERT INTO {self.table.name} VALUES {values}"
 
-    def connect(self) -> Any:
-        """A fresh, locked-down in-memory database holding the table (also used by tests and the generator)."""
-        import duckdb
-
-        insert, rows = self._insert
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """A fresh, locked-down in-memory database holding the table (about 25 ms; tests use it too)."""
         con = duckdb.connect(":memory:", config={"threads": 1, "memory_limit": self.memory_limit})
         try:
             con.execute(self.table.ddl())
-            con.executemany(insert, rows)
+            con.execute(self._insert)
             for setting in ("SET temp_directory = ''", "SET autoinstall_known_extensions = false",
                             "SET autoload_known_extensions = false", "SET enable_external_access = false",
                             "SET lock_configuration = true"):
@@ -348,14 +354,21 @@ class SqlTool(Tool):
 
     def run(self, call: str, problem: Problem) -> ToolOutput:
         """Run ``call``; refusals, errors and timeouts come back as ``error=True``, never as exceptions."""
-        import duckdb
-
+        if len(call) > self.max_query_chars:
+            return ToolOutput(f"refused: the query is longer than {self.max_query_chars} characters", error=True)
         con = self.connect()
-        timer = threading.Timer(self.timeout_s, con.interrupt)
+        lock, finished = threading.Lock(), [False]
+
+        def interrupt() -> None:  # from the timer thread: never touch a connection that is being closed
+            with lock:
+                if not finished[0]:
+                    con.interrupt()
+
+        timer = threading.Timer(self.timeout_s, interrupt)
         try:
             try:
                 statements = con.extract_statements(call)
-            except duckdb.Error as error:
+            except Exception as error:
                 return ToolOutput(_duckdb_error(error), error=True)
             if len(statements) != 1:
                 return ToolOutput(f"refused: write exactly one SQL statement (got {len(statements)})", error=True)
@@ -370,9 +383,11 @@ class SqlTool(Tool):
                 columns = [d[0] for d in cursor.description or []]
             except duckdb.InterruptException:
                 return ToolOutput(f"stopped: the query ran longer than {self.timeout_s:g} s", error=True)
-            except duckdb.Error as error:
+            except Exception as error:  # a DuckDB error, or a value Python cannot convert
                 return ToolOutput(_duckdb_error(error), error=True)
         finally:
+            with lock:
+                finished[0] = True
             timer.cancel()
             con.close()
         shown = rows[:self.max_rows]

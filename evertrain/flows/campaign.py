@@ -4,6 +4,11 @@
 Stages already completed for that iteration (in ``stage_runs``) are skipped, so a killed iteration
 resumes at its first unfinished stage. ``campaign_flow`` runs N iterations, or forever, continuing
 after the campaign's last finished iteration.
+
+In async mode (``update.mode = "async"``) the update of iteration i runs beside the curate, rollout
+and score stages of iteration i+1, which therefore sample from the trainee as it was before that
+update: one version old, within the staleness bound the update corrects for. Iteration i+1 then finds
+those stages completed and skips them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     for stage in STAGES:
         if done.get(stage) == "completed":
+            continue
+        if stage == "update" and config.update.mode == "async":
+            future = STAGE_TASKS["update"].submit(config, iteration)
+            ahead = rt.store.stage_status(rt.campaign, iteration + 1)
+            for early in ("curate", "rollout", "score"):  # the next iteration's sampling overlaps this update
+                if ahead.get(early) != "completed":
+                    metrics[f"next_{early}"] = STAGE_TASKS[early](config, iteration + 1)
+            metrics[stage] = future.result()
             continue
         metrics[stage] = STAGE_TASKS[stage](config, iteration)
     return metrics

@@ -70,13 +70,18 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
                     top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
                     progress: Any = None, tool_workers: int = 2) -> tuple[list[list[Episode]], SamplingStats]:
     """``n`` episodes per problem of one environment (single- or multi-turn), with sampling statistics."""
-    groups, stats = sample(model, tokenizer, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed, progress=progress)
-    episodes = [[Episode.single_turn(s) for s in group] for group in groups]
-    if not env.tools or env.max_turns <= 1:
-        return episodes, stats
+    agentic = bool(env.tools) and env.max_turns > 1
+    stops: tuple[str, ...] = ()
+    if agentic:
+        from evertrain.envs.tools import format_tool_result, parse_tool_call, stop_strings
 
-    from evertrain.envs.tools import format_tool_result, parse_tool_call
+        stops = tuple(stop_strings(env.tools))
+    groups, stats = sample(model, tokenizer, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed, progress=progress,
+                           stop_strings=stops)
+    episodes = [[Episode.single_turn(s) for s in group] for group in groups]
+    if not agentic:
+        return episodes, stats
 
     eos_text = tokenizer.eos_token or ""
     chats = [env.messages(p) for p in problems]
@@ -85,7 +90,7 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
         pending = []
         for g, group in enumerate(episodes):
             for i, episode in enumerate(group):
-                if episode.finish_reason != "stop" or sum(t["role"] == "assistant" for t in episode.turns) != turn:
+                if episode.finish_reason == "length" or sum(t["role"] == "assistant" for t in episode.turns) != turn:
                     continue
                 call = parse_tool_call(episode.text, env.tools)
                 if call is not None:
@@ -109,7 +114,9 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
             message = {"role": "tool", "content": format_tool_result(call.name, result)}
             chat = history.setdefault((g, i), list(chats[g]))
             chat.append({"role": "assistant", "content": episode.turns[-1]["content"]})
-            ids = tool_message_ids(tokenizer, chat, message, eos_text)
+            # a turn cut at the tool's closing tag has not produced the end-of-turn token: the template's is
+            # then part of the (untrained) tool message
+            ids = tool_message_ids(tokenizer, chat, message, eos_text if episode.finish_reason == "stop" else "")
             chat.append(message)
             start = len(episode.completion_ids)
             episode.completion_ids += ids
@@ -122,7 +129,7 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
             owners.append((g, i))
         more, more_stats = sample(model, tokenizer, contexts, 1, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, greedy=greedy, batch_size=batch_size,
-                                  seed=seed + turn)
+                                  seed=seed + turn, stop_strings=stops)
         stats.merge(more_stats)
         for (g, i), continuation in zip(owners, more, strict=True):
             episodes[g][i].add_policy_turn(continuation[0])

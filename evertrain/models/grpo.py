@@ -46,10 +46,13 @@ def policy_loss(new_logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
                 mask: torch.Tensor, norm: LossNorm, *, algorithm: Algorithm = "grpo",
                 clip_low: float = 0.2, clip_high: float = 0.2,
                 ref_logps: torch.Tensor | None = None, kl_coef: float = 0.0,
+                is_weights: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate loss of one microbatch, scaled so microbatch losses sum to the minibatch's.
 
-    ``new_logps``, ``old_logps`` and ``mask`` are [batch, T]; ``advantages`` is [batch].
+    ``new_logps``, ``old_logps`` (the ratio's anchor) and ``mask`` are [batch, T]; ``advantages`` is
+    [batch]. ``is_weights`` ([batch, T], no gradient) multiply each token's surrogate: the truncated
+    importance weights that correct for rollouts sampled by an older policy (decoupled PPO).
     """
     mask = mask.to(new_logps.dtype)
     log_ratio = (new_logps - old_logps) * mask
@@ -58,6 +61,8 @@ def policy_loss(new_logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     per_token = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     kl = None
     if ref_logps is not None and kl_coef > 0:
         # k3 estimator of KL(policy || reference), as in TRL

@@ -254,17 +254,37 @@ def prefill(model: Any, prompts: list[list[int]], pad_id: int, min_shared: int =
                    next_position=mask.sum(-1), computed_tokens=computed)
 
 
+_closers: dict[tuple[int, tuple[str, ...]], frozenset[int]] = {}
+
+
+def _closing_tokens(tokenizer: Any, stop_strings: tuple[str, ...]) -> frozenset[int]:
+    """Token ids whose text contains a stop string's last character: only they trigger the decoding check."""
+    if not stop_strings:
+        return frozenset()
+    key = (id(tokenizer), stop_strings)
+    if key not in _closers:
+        last = {s[-1] for s in stop_strings}
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        _closers[key] = frozenset(i for i, piece in enumerate(pieces)
+                                  if piece and any(c in tokenizer.convert_tokens_to_string([piece]) for c in last))
+    return _closers[key]
+
+
 @torch.no_grad()
 def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, batch_size: int = 64,
-           seed: int = 0, progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
+           seed: int = 0, progress: Any = None, stop_strings: tuple[str, ...] = (),
+           ) -> tuple[list[list[Sample]], SamplingStats]:
     """Sample ``n`` completions for every prompt (token ids), with each token's log-probability.
 
     Prompts are read once (their common prefix once for the whole batch, each prompt once for its
     group of ``n``) and the KV cache is copied; finished sequences leave the batch so the rest decode
     faster. Log-probs are taken in float32 from ``logits / temperature``: the distribution the
-    update's importance ratio is computed against.
+    update's importance ratio is computed against. A row also stops when its text ends with one of
+    ``stop_strings`` (the closing tag of a tool call: the tool must answer, not the policy); such rows
+    finish with reason ``"stop_string"`` and keep the stop string in their text.
     """
+    closers = _closing_tokens(tokenizer, stop_strings)
     configured = getattr(model.generation_config, "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
     eos = torch.tensor(sorted({tokenizer.eos_token_id, *configured} - {None}))
@@ -306,6 +326,11 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_
                 logps[original].append(lp)
                 if stop:
                     finish[original] = "stop"
+                elif token in closers:
+                    tail = tokenizer.decode(tokens[original][-16:], skip_special_tokens=True).rstrip()
+                    if tail.endswith(stop_strings):
+                        finish[original] = "stop_string"
+                        done[row] = True
             keep = ~done
             if not bool(keep.any()):
                 break

@@ -139,8 +139,10 @@ class Job:
     """One program to run in a sandbox: Python ``source`` run as ``__main__``, or a command ``argv``.
 
     ``files`` appear read-only under ``/sandbox`` (the main source is ``/sandbox/main.py``, and that
-    folder is first on ``sys.path``). ``pass_fds`` are inherited by the sandboxed process; the caller
-    keeps ownership of them. ``code_sha256`` defaults to a hash of the source, argv and files.
+    folder is first on ``sys.path``). ``ro_binds`` are host folders shown read-only at the same paths
+    (e.g. a virtualenv's site-packages for a third-party scorer); nothing else of the host is.
+    ``pass_fds`` are inherited by the sandboxed process; the caller keeps ownership of them.
+    ``code_sha256`` defaults to a hash of the source, argv and files.
     """
 
     purpose: str
@@ -152,6 +154,7 @@ class Job:
     pass_fds: Sequence[int] = ()
     limits: Limits = field(default_factory=Limits)
     code_sha256: str | None = None
+    ro_binds: Sequence[str] = ()
 
     def digest(self) -> str:
         """The ``code_sha256`` of the audit row: what ran, so that runs of the same code can be joined."""
@@ -196,20 +199,27 @@ def _mounts() -> tuple[str, ...]:
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
         needed.append(os.path.join(libdir, soname))
+    args += ro_bind_args([path for path in needed if not path.startswith("/usr/")])
+    if os.path.isdir(os.path.join(stdlib, "site-packages")):
+        args += ["--tmpfs", os.path.join(stdlib, "site-packages")]  # only the standard library
+    return tuple(args)
+
+
+def ro_bind_args(paths: Sequence[str]) -> list[str]:
+    """bwrap arguments that show ``paths`` read-only at the same place inside the sandbox.
+
+    bwrap copies the host's modes onto the folders it creates: /root would be 0700 and the unprivileged
+    uid could not reach an interpreter (or a virtualenv) under it, so every parent is made 0755 first.
+    """
+    args: list[str] = []
     made: set[str] = set()
-    for path in needed:
-        if path.startswith("/usr/"):
-            continue
-        # bwrap copies the host's modes onto the folders it creates: /root would be 0700 and the
-        # unprivileged uid could not reach an interpreter under it (pyenv's home)
+    for path in paths:
         for parent in reversed(Path(path).parents[:-1]):
             if str(parent) not in made:
                 made.add(str(parent))
                 args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", path, path]
-    if os.path.isdir(os.path.join(stdlib, "site-packages")):
-        args += ["--tmpfs", os.path.join(stdlib, "site-packages")]  # only the standard library
-    return tuple(args)
+    return args
 
 
 def _python_argv(prelude: str, uid: int | None, limits: Limits, target: list[str], mode: str,
@@ -238,6 +248,7 @@ def _bwrap_argv(job: Job, file_fds: dict[str, int], uid: int | None) -> list[str
     ]
     for name, fd in file_fds.items():
         argv += ["--perms", "0444", "--ro-bind-data", str(fd), f"{SANDBOX_DIR}/{name}"]
+    argv += ro_bind_args(job.ro_binds)
     if uid is not None:  # the prelude needs these two to drop root; setuid clears them
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:  # not root: an unprivileged user namespace, whose own process count RLIMIT_NPROC bounds
@@ -294,10 +305,10 @@ def _probe() -> SandboxUnavailable | bool:
 
 def run_python(source: str, *, purpose: str = "python", limits: Limits | None = None,
                files: Mapping[str, bytes | str] | None = None, stdin: bytes = b"",
-               args: Sequence[str] = ()) -> SandboxRunRecord:
+               args: Sequence[str] = (), ro_binds: Sequence[str] = ()) -> SandboxRunRecord:
     """Run Python ``source`` as ``__main__`` in a sandbox and return its record."""
     job = Job(purpose=purpose, source=source, args=args, files=dict(files or {}), stdin=stdin,
-              limits=limits or Limits())
+              limits=limits or Limits(), ro_binds=tuple(ro_binds))
     return run_group([job])[0]
 
 

@@ -1,9 +1,17 @@
-"""Stage 4, update: a GRPO-family step on the scored rollouts, registered as the new challenger.
+"""Stage 4, update: GRPO-family steps on the scored rollouts, registered as the new challenger.
 
-The update starts from the policy version that sampled the rollouts (so a rerun trains from the same
-weights), computes group-normalized advantages, drops groups whose rewards all agree, and takes
-clipped-ratio steps against the stored sampling log-probs. The result is saved as a checkpoint,
-logged to MLflow, registered as a model version with alias ``challenger``, and becomes the trainee.
+1. Gather this iteration's scored rollouts (and, with ``update.replay``, earlier iterations' within the
+   staleness bound). Every rollout's lag is the number of updates between the policy version that
+   sampled it and the trainee being trained; rollouts beyond ``update.max_staleness`` are never used.
+2. Group-normalized advantages; groups whose rewards all agree carry no signal and are skipped.
+3. Clipped-ratio steps. On-policy rollouts take the ratio against their stored sampling log-probs.
+   Stale ones use the decoupled objective: the ratio is taken against the log-probs of the trainee as
+   it was before this update (the proximal policy, recomputed once), and each token is weighted by the
+   truncated importance weight min(pi_prox / pi_behaviour, ``update.is_cap``) against the stored
+   sampling log-probs. Without such a correction, asynchronous GRPO is known to collapse.
+4. Save the checkpoint, log it to MLflow, register it with alias ``challenger``; it becomes the trainee.
+
+The starting version is fixed on the first run of the stage (a rerun trains from the same weights).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class Member:
     logprobs: list[float]
     advantage: float
     loss_mask: list[int]  # 0 for tool output inside a multi-turn episode: context, not action
+    lag: int = 0  # updates between the policy that sampled it and the trainee
+    proximal: list[float] | None = None  # the trainee's own log-probs before this update (stale rollouts)
 
 
 @dataclass
@@ -62,34 +72,99 @@ def _trainable_snapshot(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def update(rt: Runtime, iteration: int) -> dict[str, Any]:
-    config, cfg = rt.config, rt.config.update
-    frame = rt.store.query(
-        """SELECT problem_id, sample, policy_version, prompt_ids, completion_ids, logprobs, loss_mask, reward
-           FROM rollouts WHERE campaign = ? AND iteration = ? ORDER BY problem_id, sample""",
-        [rt.campaign, iteration],
-    )
-    if frame.empty:
-        raise RuntimeError(f"iteration {iteration} has no rollouts: run the rollout stage first")
-    if frame["reward"].isna().any():
-        raise RuntimeError(f"iteration {iteration} has unscored rollouts: run the score stage first")
-    start_version = int(frame["policy_version"].max())
+def start_version_of(rt: Runtime, iteration: int) -> int:
+    """The trainee this update starts from: the current one, or, on a rerun, the one the first run used."""
+    earlier = rt.store.query("SELECT parent_version FROM model_versions WHERE campaign = ? AND iteration = ?",
+                             [rt.campaign, iteration])
+    if not earlier.empty and earlier["parent_version"].notna().all():
+        return int(earlier["parent_version"].iloc[0])
+    return rt.trainee_version()
 
-    # advantages per group; groups whose rewards all agree carry no signal
+
+def lags_from(rt: Runtime, start: int, depth: int) -> dict[int, int]:
+    """Policy versions reachable from ``start`` through at most ``depth`` parent links, with their distance."""
+    lags, version = {start: 0}, start
+    for distance in range(1, depth + 1):
+        parent = rt.store.scalar("SELECT parent_version FROM model_versions WHERE campaign = ? AND version = ?",
+                                 [rt.campaign, version])
+        if parent is None or parent != parent:  # None or NaN: the base model has no parent
+            break
+        version = int(parent)
+        lags[version] = distance
+    return lags
+
+
+def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group], dict[str, Any]]:
+    """Trainable groups with advantages, within the staleness bound, and what was left out and why."""
+    cfg = rt.config.update
+    first = iteration - cfg.max_staleness if cfg.replay else iteration
+    frame = rt.store.query(
+        """SELECT iteration, problem_id, sample, policy_version, prompt_ids, completion_ids, logprobs, loss_mask,
+                  reward FROM rollouts WHERE campaign = ? AND iteration BETWEEN ? AND ?
+           ORDER BY iteration, problem_id, sample""",
+        [rt.campaign, max(first, 0), iteration],
+    )
+    current = frame[frame["iteration"] == iteration]
+    if current.empty:
+        raise RuntimeError(f"iteration {iteration} has no rollouts: run the rollout stage first")
+    if current["reward"].isna().any():
+        raise RuntimeError(f"iteration {iteration} has unscored rollouts: run the score stage first")
+    lags = lags_from(rt, start, cfg.max_staleness)
+    info: dict[str, Any] = {"groups": 0, "skipped_zero_variance_groups": 0, "dropped_stale_groups": 0,
+                            "replayed_groups": 0, "max_lag": 0}
     groups: list[Group] = []
-    all_groups = list(frame.groupby("problem_id", sort=True))
-    skipped = 0
-    for _, rows in all_groups:
+    for (source, _), rows in frame.groupby(["iteration", "problem_id"], sort=True):
+        if rows["reward"].isna().any():
+            continue
+        info["groups"] += int(source == iteration)
+        lag = max(lags.get(int(v), math.inf) for v in rows["policy_version"])
+        if lag > cfg.max_staleness:
+            info["dropped_stale_groups"] += 1
+            continue
         rewards = torch.tensor(rows["reward"].to_numpy(), dtype=torch.float32)[None, :]
         if cfg.skip_zero_variance and bool(zero_variance(rewards)[0]):
-            skipped += 1
+            info["skipped_zero_variance_groups"] += int(source == iteration)
             continue
         advantages = group_advantages(rewards, cfg.algorithm)[0].tolist()
         members = [Member(list(r.completion_ids), list(r.logprobs), a,
-                          [int(x) for x in r.loss_mask] if r.loss_mask is not None else [1] * len(r.completion_ids))
+                          [int(x) for x in r.loss_mask] if r.loss_mask is not None else [1] * len(r.completion_ids),
+                          lag=int(lag))
                    for r, a in zip(rows.itertuples(index=False), advantages, strict=True) if len(r.completion_ids)]
         if members:
             groups.append(Group(list(rows["prompt_ids"].iloc[0]), members))
+            info["replayed_groups"] += int(source != iteration)
+            info["max_lag"] = max(info["max_lag"], int(lag))
+    return groups, info
+
+
+@torch.no_grad()
+def _fill_proximal(model: Any, groups: list[Group], batch: int, temperature: float, pad: int) -> None:
+    """Log-probs of the stale members under the trainee before any step: the decoupled objective's anchor."""
+    stale = [g for g in groups if any(m.lag > 0 for m in g.members)]
+    was_training = model.training
+    model.eval()
+    for part in _batches(stale, batch):
+        logps, _ = grouped_logprobs(model, [g.prompt for g in part], [[m.ids for m in g.members] for g in part],
+                                    temperature=temperature, pad_id=pad)
+        row = 0
+        for g in part:
+            for m in g.members:
+                m.proximal = logps[row, :len(m.ids)].float().cpu().tolist()
+                row += 1
+    model.train(was_training)
+
+
+def _padded(rows: list[list[float]], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    out = torch.zeros(like.shape, dtype=dtype or like.dtype, device=like.device)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=out.dtype, device=out.device)
+    return out
+
+
+def update(rt: Runtime, iteration: int) -> dict[str, Any]:
+    config, cfg = rt.config, rt.config.update
+    start_version = start_version_of(rt, iteration)
+    groups, info = gather_groups(rt, iteration, start_version)
 
     model, tokenizer = load_policy(rt.checkpoint(start_version), trainable=True, lora=cfg.lora,
                                    finetune=cfg.finetune, device=config.model.device)
@@ -104,11 +179,13 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
         with contextlib.suppress(ValueError, RuntimeError, KeyError):
             optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
     before = _trainable_snapshot(model)
+    temperature, pad = config.generation.temperature, tokenizer.pad_token_id
+    began = time.perf_counter()
+    _fill_proximal(model, groups, cfg.microbatch_size, temperature, pad)
+    model_seconds = time.perf_counter() - began
 
     rng = random.Random(seed_for(config.seed, iteration, "update"))
-    steps, stats_sum, losses, grad_norms = 0, {}, [], []
-    model_seconds = 0.0
-    temperature, pad = config.generation.temperature, tokenizer.pad_token_id
+    steps, stats_sum, losses, grad_norms, is_weights = 0, {}, [], [], []
     longest = max(config.max_new_tokens(spec.name) for spec in config.environments)
     schedule = []
     for _epoch in range(cfg.epochs if groups else 0):
@@ -129,21 +206,23 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
                 part = [m for g in micro for m in g.members]
                 new_logps, mask = grouped_logprobs(model, prompts, completions, temperature=temperature,
                                                    pad_id=pad)
-                old = torch.zeros_like(new_logps)
-                own = torch.zeros_like(mask)
-                for i, m in enumerate(part):
-                    old[i, :len(m.logprobs)] = torch.tensor(m.logprobs, device=old.device)
-                    own[i, :len(m.loss_mask)] = torch.tensor(m.loss_mask, device=own.device, dtype=torch.bool)
-                mask = mask & own
+                behaviour = _padded([m.logprobs for m in part], new_logps)
+                mask = mask & _padded([m.loss_mask for m in part], mask, torch.bool)
+                # the ratio's anchor: the stored sampling log-probs on-policy, the proximal policy when stale
+                anchor = _padded([m.proximal if m.proximal is not None else m.logprobs for m in part], new_logps)
+                weights = None
+                if any(m.proximal is not None for m in part):
+                    weights = torch.exp(anchor - behaviour).clamp(max=cfg.is_cap) * mask
+                    is_weights.append(float(weights.sum() / mask.sum().clamp(min=1)))
                 ref_logps = None
                 if reference is not None:
                     with torch.no_grad():
                         ref_logps, _ = grouped_logprobs(reference, prompts, completions,
                                                         temperature=temperature, pad_id=pad)
-                advantages = torch.tensor([m.advantage for m in part], dtype=torch.float32, device=old.device)
+                advantages = torch.tensor([m.advantage for m in part], dtype=torch.float32, device=mask.device)
                 loss, stats = policy_loss(
-                    new_logps, old, advantages, mask, norm, algorithm=cfg.algorithm,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logps=ref_logps, kl_coef=cfg.kl_coef,
+                    new_logps, anchor, advantages, mask, norm, algorithm=cfg.algorithm, clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high, ref_logps=ref_logps, kl_coef=cfg.kl_coef, is_weights=weights,
                 )
                 loss.backward()
                 total += float(loss.detach())
@@ -180,11 +259,12 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
     trained_sequences = sum(len(g.members) for g in groups)
     trained = max(trained_sequences * cfg.epochs, 1)
     metrics: dict[str, Any] = {
-        "challenger_version": version, "start_version": start_version, "steps": steps,
-        "trained_sequences": trained_sequences, "groups": len(all_groups), "skipped_zero_variance_groups": skipped,
+        **info, "challenger_version": version, "start_version": start_version, "steps": steps,
+        "trained_sequences": trained_sequences,
         "trained_tokens": sum(sum(m.loss_mask) for g in groups for m in g.members) * cfg.epochs,
         "loss": sum(losses) / len(losses) if losses else 0.0,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        "is_weight_mean": sum(is_weights) / len(is_weights) if is_weights else 1.0,
         "weight_delta_norm": delta, "model_s": model_seconds,
     }
     metrics.update({key: value / trained for key, value in stats_sum.items() if key != "tokens"})
