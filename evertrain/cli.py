@@ -174,9 +174,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not rows:
         print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
         return 1
+    if args.html:
+        from evertrain.plots import html_report
+
+        Path(args.html).write_text(html_report(args.campaign, rows), encoding="utf-8")
+        print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
-    else:
+    elif not args.html:
         render_table(rows, f"campaign {args.campaign}")
     return 0
 
@@ -288,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="the per-iteration table of a campaign")
     report.add_argument("--campaign", required=True)
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    report.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with plots and tables")
     report.add_argument("--config", help="campaign TOML file whose paths.store to read")
     report.add_argument("--store", help="DuckDB store (default data/evertrain.duckdb)")
     report.set_defaults(func=cmd_report)

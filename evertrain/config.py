@@ -69,6 +69,8 @@ class EnvironmentSpec(_Strict):
     max_new_tokens: int | None = Field(
         None, ge=1, le=32768, description="Completion length limit for this environment (default: generation's)."
     )
+    eval_problems: int | None = Field(
+        None, ge=1, description="Held-out problems of this environment (default: eval.problems_per_env).")
 
 
 class CurationConfig(_Strict):
@@ -222,6 +224,13 @@ class CampaignConfig(_Strict):
         for spec in specs:
             registry.check_name(spec.name)
         return specs
+
+    def eval_size(self, env: str) -> int:
+        """How many held-out problems of ``env`` the campaign evaluates on."""
+        spec = next((s for s in self.environments if s.name == env), None)
+        if spec is not None and spec.eval_problems is not None:
+            return spec.eval_problems
+        return self.eval.problems_per_env
 
     def max_new_tokens(self, env: str, evaluation: bool = False) -> int:
         """The completion length limit for ``env`` (its own, else the eval or generation default)."""

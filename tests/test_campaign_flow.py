@@ -82,6 +82,24 @@ def test_mlflow_holds_runs_and_registry(finished_campaign):
 
     path = Path(mlflow.artifacts.download_artifacts(artifact_uri=champion.source))
     assert (path / "evertrain_checkpoint.json").exists()
+    for run in runs:  # each iteration's run carries the campaign's progress figure and the decision
+        assert "figures/progress.png" in [a.path for a in client.list_artifacts(run.info.run_id, "figures")]
+        assert run.data.tags["promotion.reason"]
+
+
+def test_report_lists_every_iteration(finished_campaign, tmp_path):
+    from evertrain.plots import html_report
+    from evertrain.report import iteration_report
+
+    config, rt, _ = finished_campaign
+    rows = iteration_report(rt.store, config.name)
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["status"] == "completed" and row["tokens"] > 0 and row["dollars"] > 0
+        assert row["pass1_challenger"] is not None and row["promoted"] is not None
+        assert set(row["dropped"]) >= {"duplicate", "near_duplicate", "contaminated", "too_easy", "too_hard"}
+    page = html_report(config.name, rows)
+    assert page.count("<img") == 1 and "data:image/png;base64," in page and "iteration 1" in page
 
 
 @pytest.mark.parametrize("stage", STAGES)

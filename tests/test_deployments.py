@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from evertrain.data.store import Store
-from mlflow import MlflowClient
 from tests.conftest import smoke_config_in
 
 
@@ -38,14 +38,19 @@ def _config_file(directory: Path, models_dir: Path, name: str) -> Path:
 
 
 def _finished_runs(directory: Path, campaign: str) -> int:
+    """Finished MLflow runs, read with plain SQL: an MLflow client would try to migrate a database that the
+    served process may be creating at that very moment."""
     db = directory / "mlflow" / "mlflow.db"
     if not db.exists():
         return 0
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
-    experiment = client.get_experiment_by_name(f"evertrain/{campaign}")
-    if experiment is None:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+            row = con.execute(
+                """SELECT count(*) FROM runs JOIN experiments USING (experiment_id)
+                   WHERE experiments.name = ? AND runs.status = 'FINISHED'""", [f"evertrain/{campaign}"]).fetchone()
+    except sqlite3.Error:  # not created yet, or busy
         return 0
-    return sum(r.info.status == "FINISHED" for r in client.search_runs([experiment.experiment_id]))
+    return int(row[0])
 
 
 def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):

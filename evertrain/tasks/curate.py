@@ -38,7 +38,7 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
     index = NgramIndex(n=config.curation.decontamination_ngram)
     ids = set()
     for spec in config.environments:
-        for problem in rt.env(spec.name).problems("eval", config.eval.problems_per_env, config.seed):
+        for problem in rt.env(spec.name).problems("eval", config.eval_size(spec.name), config.seed):
             ids.add(problem.id)
             index.add(problem.prompt)
     return frozenset(ids), index

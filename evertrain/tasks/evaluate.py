@@ -38,10 +38,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def eval_problems(rt: Runtime) -> list[Problem]:
-    """The campaign's fixed held-out set: the first ``eval.problems_per_env`` of every environment."""
+    """The campaign's fixed held-out set: the first ``eval_size(env)`` problems of every environment."""
     config = rt.config
     return [p for spec in config.environments
-            for p in rt.env(spec.name).problems("eval", config.eval.problems_per_env, config.seed)]
+            for p in rt.env(spec.name).problems("eval", config.eval_size(spec.name), config.seed)]
 
 
 def challenger_of(rt: Runtime, iteration: int) -> int:

@@ -104,6 +104,19 @@ def _publish_artifacts(rt: Runtime, iteration: int, decision: dict[str, Any], ch
     )
 
 
+def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
+    """The campaign's progress so far, as a figure on this iteration's MLflow run."""
+    import matplotlib.pyplot as plt
+
+    from evertrain.plots import progress_figure
+    from evertrain.report import iteration_report
+
+    rows = [r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] <= iteration]
+    figure = progress_figure(rows, f"campaign {rt.campaign} after iteration {iteration}")
+    rt.tracker.client.log_figure(run_id, figure, "figures/progress.png")
+    plt.close(figure)
+
+
 def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     rule = rt.config.promotion
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
@@ -146,6 +159,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         "promotion.challenger_version": challenger, "promotion.champion_version": champion,
     })
     _publish_artifacts(rt, iteration, decision, challenger, champion)
+    _log_figure(rt, iteration, run_id)
     spent = float(rt.store.scalar(
         """SELECT coalesce(sum(json_extract(metrics, '$.dollars')::DOUBLE), 0) FROM stage_runs
            WHERE campaign = ? AND iteration = ? AND stage <> 'promote'""", [rt.campaign, iteration]))

@@ -1,0 +1,103 @@
+"""Figures and the self-contained HTML report: what each iteration bought and what it cost."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from typing import Any
+
+
+def progress_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
+    """Reward and held-out pass@1 against iteration; dollars spent and points gained per dollar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    its = [r["iteration"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+
+    def series(key: str) -> list[float]:
+        return [float("nan") if r.get(key) is None else float(r[key]) for r in rows]
+
+    left.plot(its, series("mean_reward"), "o-", label="rollout mean reward")
+    left.plot(its, series("pass1_challenger"), "s-", label="held-out pass@1, challenger")
+    left.plot(its, series("pass1_champion"), "^--", label="held-out pass@1, champion")
+    for r in rows:
+        if r.get("promoted"):
+            left.axvline(r["iteration"], color="green", alpha=0.2)
+    left.set_xlabel("iteration")
+    left.set_ylim(0, 1)
+    left.legend(fontsize=8)
+    left.set_title("learning (green: promoted)")
+    right.plot(its, series("cumulative_dollars"), "o-", color="tab:red", label="cumulative $")
+    right.set_xlabel("iteration")
+    right.set_ylabel("$")
+    twin = right.twinx()
+    twin.plot(its, series("points_per_dollar_total"), "s-", color="tab:purple", label="held-out points per $")
+    twin.set_ylabel("points per $")
+    right.set_title("cost and capability per dollar")
+    lines = right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    labels = right.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
+    right.legend(lines, labels, fontsize=8, loc="upper left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _png(fig: Any) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return html.escape(str(value))
+
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(key))}</td>" for key, _ in columns) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def html_report(campaign: str, rows: list[dict[str, Any]]) -> str:
+    """One self-contained page (figures inlined as PNG) with the campaign's plots and tables."""
+    import matplotlib.pyplot as plt
+
+    fig = progress_figure(rows, f"campaign {campaign}")
+    image = _png(fig)
+    plt.close(fig)
+    summary = _table(rows, [
+        ("iteration", "iteration"), ("status", "status"), ("mean_reward", "mean reward"),
+        ("zero_variance_share", "zero-variance groups"), ("pass1_challenger", "challenger pass@1"),
+        ("pass1_champion", "champion pass@1"), ("challenger_version", "challenger"), ("promoted", "promoted"),
+        ("wall_s", "wall s"), ("cpu_s", "CPU s"), ("gpu_s", "GPU s"), ("tokens", "tokens"),
+        ("cached_prompt_tokens", "prompt tokens from cache"), ("dollars", "$"),
+        ("points_gained_total", "points gained (total)"), ("points_per_dollar_total", "points per $ (total)")])
+    envs = sorted({env for r in rows for env in (r.get("pass1_by_env") or {})})
+    per_env = _table([{"iteration": r["iteration"], **(r.get("pass1_by_env") or {})} for r in rows],
+                     [("iteration", "iteration")] + [(env, f"{env} pass@1") for env in envs])
+    dropped = sorted({rule for r in rows for rule in (r.get("dropped") or {})})
+    curation = _table([{"iteration": r["iteration"], **(r.get("dropped") or {}),
+                        "zv": r.get("zero_variance_share"), "zv_est": r.get("zero_variance_share_unfiltered_est")}
+                       for r in rows],
+                      [("iteration", "iteration")] + [(rule, f"dropped: {rule}") for rule in dropped]
+                      + [("zv", "zero-variance share"), ("zv_est", "zero-variance share without difficulty filter")])
+    decisions = "".join(f"<li><b>iteration {r['iteration']}</b>: {html.escape(r.get('promotion_reason') or '-')}</li>"
+                        for r in rows)
+    style = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
+             "margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+             "th{background:#f3f3f3}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>evertrain: {html.escape(campaign)}</title>"
+            f"<style>{style}</style></head><body><h1>evertrain campaign <code>{html.escape(campaign)}</code></h1>"
+            f"<img alt='progress' src='data:image/png;base64,{image}'>"
+            f"<h2>Iterations</h2>{summary}<h2>Held-out pass@1 per environment (challenger)</h2>{per_env}"
+            f"<h2>Curation</h2>{curation}<h2>Promotion decisions</h2><ul>{decisions}</ul></body></html>")
