@@ -62,8 +62,14 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
     done = campaign_flow(config, args.iterations)
+    from evertrain.report import champion_vs_base
+
     rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
     render_table(rows, f"campaign {config.name}")
+    for s in champion_vs_base(rt.store, config.name):
+        print(f"{s['env']}: champion v{s['champion_version']} pass@1 {s['champion_pass1']:.3f} vs base "
+              f"v{s['base_version']} {s['base_pass1']:.3f} on {s['problems']} held-out problems: gain "
+              f"{s['gain']:+.3f} (95% CI [{s['gain_low']:+.3f}, {s['gain_high']:+.3f}])")
     return 0
 
 
@@ -166,10 +172,11 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store
-    from evertrain.report import iteration_report, render_table
+    from evertrain.report import champion_vs_base, iteration_report, render_table
 
     store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
     rows = iteration_report(store, args.campaign)
+    summary = champion_vs_base(store, args.campaign)
     store.close()
     if not rows:
         print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
@@ -177,12 +184,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.html:
         from evertrain.plots import html_report
 
-        Path(args.html).write_text(html_report(args.campaign, rows), encoding="utf-8")
+        Path(args.html).write_text(html_report(args.campaign, rows, summary), encoding="utf-8")
         print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
     elif not args.html:
         render_table(rows, f"campaign {args.campaign}")
+        for s in summary:
+            print(f"{s['env']}: champion v{s['champion_version']} pass@1 {s['champion_pass1']:.3f} vs base "
+                  f"v{s['base_version']} {s['base_pass1']:.3f} on {s['problems']} held-out problems: gain "
+                  f"{s['gain']:+.3f} (95% CI [{s['gain_low']:+.3f}, {s['gain_high']:+.3f}])")
     return 0
 
 
@@ -331,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     from evertrain.data.store import StoreError
     from evertrain.envs.registry import UnknownEnvironment
     from evertrain.models.policy import ModelError
+    from evertrain.runtime import EnvironmentInvalid
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, StoreError, ModelError, UnknownEnvironment) as error:
+    except (ConfigError, StoreError, ModelError, UnknownEnvironment, EnvironmentInvalid) as error:
         print(f"evertrain: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

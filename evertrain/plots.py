@@ -68,7 +68,7 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def html_report(campaign: str, rows: list[dict[str, Any]]) -> str:
+def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dict[str, Any]] | None = None) -> str:
     """One self-contained page (figures inlined as PNG) with the campaign's plots and tables."""
     import matplotlib.pyplot as plt
 
@@ -91,6 +91,10 @@ def html_report(campaign: str, rows: list[dict[str, Any]]) -> str:
                        for r in rows],
                       [("iteration", "iteration")] + [(rule, f"dropped: {rule}") for rule in dropped]
                       + [("zv", "zero-variance share"), ("zv_est", "zero-variance share without difficulty filter")])
+    versus = _table(versus_base or [], [
+        ("env", "environment"), ("problems", "held-out problems"), ("base_version", "base"),
+        ("base_pass1", "base pass@1"), ("champion_version", "champion"), ("champion_pass1", "champion pass@1"),
+        ("gain", "gain"), ("gain_low", "95% CI low"), ("gain_high", "95% CI high")])
     decisions = "".join(f"<li><b>iteration {r['iteration']}</b>: {html.escape(r.get('promotion_reason') or '-')}</li>"
                         for r in rows)
     style = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
@@ -99,5 +103,6 @@ def html_report(campaign: str, rows: list[dict[str, Any]]) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>evertrain: {html.escape(campaign)}</title>"
             f"<style>{style}</style></head><body><h1>evertrain campaign <code>{html.escape(campaign)}</code></h1>"
             f"<img alt='progress' src='data:image/png;base64,{image}'>"
+            f"<h2>Champion against the base model</h2>{versus}"
             f"<h2>Iterations</h2>{summary}<h2>Held-out pass@1 per environment (challenger)</h2>{per_env}"
             f"<h2>Curation</h2>{curation}<h2>Promotion decisions</h2><ul>{decisions}</ul></body></html>")

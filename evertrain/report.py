@@ -104,3 +104,41 @@ def render_table(rows: list[dict[str, Any]], title: str) -> None:
     for row in rows:
         table.add_row(*[_cell(row.get(key)) for key, _ in COLUMNS])
     Console().print(table)
+
+
+def current_champion(store: Store, campaign: str) -> int | None:
+    """The champion after the campaign's last promotion decision or rollback, as the store recorded them."""
+    events = store.query(
+        """SELECT decided_at AS stamp, CASE WHEN promoted THEN challenger_version ELSE champion_version END AS v
+           FROM promotions WHERE campaign = ?
+           UNION ALL SELECT rolled_back_at, to_version FROM rollbacks WHERE campaign = ?
+           ORDER BY stamp DESC LIMIT 1""", [campaign, campaign])
+    return None if events.empty else int(events["v"].iloc[0])
+
+
+def champion_vs_base(store: Store, campaign: str, samples: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """Per environment: held-out pass@1 of the base model and of the current champion on the same problems,
+    and the gain with a 95% paired bootstrap interval."""
+    import numpy as np
+
+    champion = current_champion(store, campaign)
+    base = store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [campaign])
+    if champion is None or base is None:
+        return []
+    frame = store.query(
+        """SELECT model_version, env, problem_id, any_value(reward) AS reward FROM evals
+           WHERE campaign = ? AND sample = 0 AND model_version IN (?, ?) GROUP BY ALL""",
+        [campaign, int(base), champion])
+    rows = []
+    rng = np.random.default_rng(seed)
+    for env, part in frame.groupby("env"):
+        paired = part.pivot_table(index="problem_id", columns="model_version", values="reward").dropna()
+        if paired.empty or champion not in paired or int(base) not in paired:
+            continue
+        diff = (paired[champion] - paired[int(base)]).to_numpy()
+        boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
+        rows.append({"env": env, "problems": len(diff), "base_version": int(base), "champion_version": champion,
+                     "base_pass1": float(paired[int(base)].mean()), "champion_pass1": float(paired[champion].mean()),
+                     "gain": float(diff.mean()), "gain_low": float(np.quantile(boot, 0.025)),
+                     "gain_high": float(np.quantile(boot, 0.975))})
+    return rows

@@ -21,6 +21,10 @@ from evertrain.envs.base import Environment
 from evertrain.tracking import Tracker
 
 
+class EnvironmentInvalid(RuntimeError):
+    """An environment whose grader failed validation: training on it would reward the wrong thing."""
+
+
 def quiet_libraries() -> None:
     """No telemetry (nothing here reaches the internet), no hub calls, no per-file progress bars."""
     for key, value in {
@@ -97,10 +101,43 @@ class Runtime:
             raise StoreError(f"registered model {self.tracker.model_name!r} has no champion alias")
         return version
 
+    def validate_environments(self) -> None:
+        """Validate every environment of the campaign once (the verdict is kept in ``env_validations``).
+
+        An environment earns trust only if references earn 1, empty, trivial and known-hack completions
+        earn 0, and verdicts are stable; a campaign refuses to train on one that fails.
+        """
+        import json
+
+        from evertrain.envs.quality import validate
+
+        for spec in self.config.environments:
+            options = json.dumps(spec.options, sort_keys=True)
+            known = self.store.query("SELECT ok, failures FROM env_validations WHERE env = ? AND options = ?",
+                                     [spec.name, options])
+            if known.empty:
+                report = validate(self.env(spec.name), problems=1, seed=self.config.seed)
+                from evertrain.data.store import now, to_json
+
+                self.store.replace("env_validations", {"env": spec.name, "options": options}, [{
+                    "env": spec.name, "options": options, "ok": report.ok, "checked": report.checked,
+                    "failures": to_json(report.failures), "validated_at": now()}])
+                if report.sandbox_runs:
+                    self.store.append("sandbox_runs", [{**row, "campaign": self.campaign, "iteration": None}
+                                                       for row in report.sandbox_runs])
+                ok, failures = report.ok, report.failures
+            else:
+                ok, failures = bool(known["ok"].iloc[0]), json.loads(known["failures"].iloc[0])
+            if not ok:
+                raise EnvironmentInvalid(
+                    f"environment {spec.name!r} failed validation, so the campaign will not train on it: "
+                    + "; ".join(failures[:5]))
+
     def ensure_started(self) -> None:
         """Register the base model as version 1 and first champion, and make it the trainee (once)."""
         if self.store.campaign_state(self.campaign) is not None:
             return
+        self.validate_environments()
         from evertrain.models.policy import write_base_checkpoint
 
         self.tracker.ensure_registered_model()

@@ -75,7 +75,7 @@ def test_difficulty_history_skips_mastered_and_hopeless_problems(tmp_path, model
     assert (again["dropped_too_easy"], again["dropped_too_hard"]) == (1, 1)
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "gsm8k", "digits", "mbpp"])
+@pytest.mark.parametrize("name", ["arithmetic", "gsm8k", "digits", "mbpp", "sql", "gsm8k-tools"])
 def test_environment_validation(name):
     report = validate(registry.get(name))
     assert report.ok, report.failures
@@ -99,3 +99,20 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
     with pytest.raises(ValueError):
         pass_at_k(2, 1, 3)
+
+
+def test_campaign_refuses_an_environment_that_fails_validation(tmp_path, models_dir):
+    from evertrain.runtime import EnvironmentInvalid
+
+    path = tmp_path / "broken.jsonl"  # the reference solution fails its own tests: a broken grader or data set
+    rows = [{"prompt": f"Write f{i}().", "tests": [f"assert f{i}() == {i}"],
+             "reference": f"def f{i}():\n    return -1", "split": split}
+            for i, split in enumerate(["train", "eval"] * 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = smoke_config_in(tmp_path, models_dir, name="broken", eval={"problems_per_env": 1},
+                             environments=[{"name": "code", "weight": 1, "options": {"path": str(path)}}])
+    rt = get_runtime(config)
+    with pytest.raises(EnvironmentInvalid, match=r"failed validation.*reference earned 0"):
+        run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+    assert rt.store.query("SELECT count(*) AS n FROM problems")["n"].iloc[0] == 0
+    assert not rt.store.query("SELECT ok FROM env_validations")["ok"].iloc[0]

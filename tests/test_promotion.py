@@ -104,3 +104,20 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
     used = rt.store.query("SELECT DISTINCT policy_version FROM rollouts WHERE iteration = 6")["policy_version"]
     assert used.tolist() == [previous]
     assert len(rt.store.query("SELECT * FROM rollbacks")) == 1
+
+
+def test_trainee_is_reset_to_the_champion_after_failed_gates(tmp_path, models_dir):
+    config = smoke_config_in(tmp_path, models_dir, name="reset", environments=[{"name": "digits", "weight": 1}],
+                             problems_per_iteration=4, group_size=4, eval={"problems_per_env": 4},
+                             promotion={"min_gain": 1.0, "reset_after_failures": 2, "bootstrap_samples": 200})
+    rt = get_runtime(config)
+    for iteration in range(2):
+        for stage in STAGES:
+            run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
+    decisions = rt.store.query("SELECT promoted, reset_trainee, reason FROM promotions ORDER BY iteration")
+    assert not decisions["promoted"].any()
+    assert decisions["reset_trainee"].tolist() == [False, True] and "reset" in decisions["reason"].iloc[1]
+    assert rt.trainee_version() == rt.champion_version() == 1
+    for stage in ("curate", "rollout"):
+        run_stage(rt, stage, 2, STAGE_FUNCTIONS[stage])
+    assert set(rt.store.query("SELECT policy_version FROM rollouts WHERE iteration = 2")["policy_version"]) == {1}

@@ -84,6 +84,11 @@ CREATE TABLE IF NOT EXISTS campaign_state (
     campaign VARCHAR PRIMARY KEY, trainee_version INTEGER, updated_at TIMESTAMPTZ
 );
 
+CREATE TABLE IF NOT EXISTS env_validations (
+    env VARCHAR, options JSON, ok BOOLEAN, checked INTEGER, failures JSON, validated_at TIMESTAMPTZ,
+    PRIMARY KEY (env, options)
+);
+
 CREATE TABLE IF NOT EXISTS rollbacks (
     campaign VARCHAR, rolled_back_at TIMESTAMPTZ, from_version INTEGER, to_version INTEGER, reason VARCHAR,
     PRIMARY KEY (campaign, rolled_back_at)
@@ -98,7 +103,7 @@ CREATE TABLE IF NOT EXISTS sandbox_runs (
 """
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
-          "campaigns", "campaign_state", "rollbacks", "sandbox_runs")
+          "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs")
 
 
 class StoreError(RuntimeError):

@@ -22,6 +22,7 @@ _POOL_SEED = 20261130
 class Arithmetic(MathEnvironment):
     name: ClassVar[str] = "arithmetic"
     source: ClassVar[str] = "generated"
+    templated: ClassVar[bool] = True
     system_prompt: ClassVar[str] = (
         "Solve the problem. Give the final answer on the last line as '#### <number>'."
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,9 @@ class Environment(ABC):
     system_prompt: ClassVar[str] = ""
     # worked examples shown as earlier chat turns: (user, assistant) pairs
     examples: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # problems stamped from templates (generators): they differ in a few numbers or words, so word n-gram
+    # near-duplicate and contamination checks would flag them all; their exact ids keep the splits apart
+    templated: ClassVar[bool] = False
     # agentic environments: the tools the policy may call, and how many assistant turns it gets
     tools: ClassVar[dict[str, Tool]] = {}
     max_turns: ClassVar[int] = 1
@@ -140,6 +144,22 @@ class Environment(ABC):
             raise ValueError("problem.prompt must be a string")
         payload = {k: v for k, v in data.items() if k not in ("prompt", "question")}
         return Problem.make(self.name, prompt, payload)
+
+
+class FixedSplits:
+    """For environments whose problems are a fixed data set, split once (``self._splits``) into train and
+    held-out problems: the held-out ones are served in a stable order, the train ones as a seeded sample."""
+
+    _splits: dict[str, list[Problem]]
+
+    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
+        pool = self._splits[split]
+        if split == "eval":
+            return pool[:n]
+        return random.Random(seed).sample(pool, min(n, len(pool)))
+
+    def count(self, split: Split) -> int | None:
+        return len(self._splits[split])
 
 
 def vendored_path(*parts: str) -> Path:

@@ -29,14 +29,13 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import re
 import secrets
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evertrain.envs.base import Environment, Problem, Split, Verdict, vendored_path
+from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, vendored_path
 from evertrain.sandbox import Job, Limits, SandboxRunRecord, plain, run_group
 
 # the programs that run inside the two sandboxes (standard library only; shipped as files)
@@ -205,7 +204,7 @@ def _json_or_text(text: str) -> Any:
 # Environments
 
 
-class CodeEnvironment(Environment):
+class CodeEnvironment(FixedSplits, Environment):
     """``code``: Python problems in the generic payload format, read from a JSONL file (``path=``).
 
     Each line is a payload (``prompt``, ``tests``, optional ``test_setup``, ``entry_point``,
@@ -253,15 +252,6 @@ class CodeEnvironment(Environment):
             split: Split = fixed or ("eval" if int(problem_.id, 16) % 10 == 0 else "train")
             splits[split].append(Problem(self.name, problem_.id, prompt, payload, split))
         return splits
-
-    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
-        pool = self._splits[split]
-        if split == "eval":
-            return pool[:n]
-        return random.Random(seed).sample(pool, min(n, len(pool)))
-
-    def count(self, split: Split) -> int | None:
-        return len(self._splits[split])
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         verdict, _ = grade_code(problem.payload, completion)

@@ -18,6 +18,7 @@ class Digits(Environment):
     name: ClassVar[str] = "digits"
     kind: ClassVar[str] = "toy"
     source: ClassVar[str] = "generated"
+    templated: ClassVar[bool] = True
     system_prompt: ClassVar[str] = "Reply with digits only."
 
     def problems(self, split: Split, n: int, seed: int) -> list[Problem]:

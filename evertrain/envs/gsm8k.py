@@ -7,18 +7,17 @@ one tenth of the hash space, so the split never depends on file order and never 
 from __future__ import annotations
 
 import json
-import random
 import re
 from functools import cached_property
 from typing import ClassVar
 
 from evertrain.envs.answers import MathEnvironment
-from evertrain.envs.base import Problem, Split, vendored_path
+from evertrain.envs.base import FixedSplits, Problem, Split, vendored_path
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
 
-class GSM8K(MathEnvironment):
+class GSM8K(FixedSplits, MathEnvironment):
     name: ClassVar[str] = "gsm8k"
     source: ClassVar[str] = "data/gsm8k/train.jsonl (OpenAI grade-school-math, MIT)"
     system_prompt: ClassVar[str] = (
@@ -49,15 +48,6 @@ class GSM8K(MathEnvironment):
                 split: Split = "eval" if int(problem.id, 16) % 10 == 0 else "train"
                 splits[split].append(Problem(self.name, problem.id, question, payload, split))
         return splits
-
-    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
-        pool = self._splits[split]
-        if split == "eval":
-            return pool[:n]
-        return random.Random(seed).sample(pool, min(n, len(pool)))
-
-    def count(self, split: Split) -> int | None:
-        return len(self._splits[split])
 
     def reference(self, problem: Problem) -> str | None:
         return problem.payload["solution"]

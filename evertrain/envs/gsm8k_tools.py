@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import ast
 import json
-import random
 import re
 from functools import cached_property
 from typing import ClassVar
 
 from evertrain.envs.answers import MathEnvironment
-from evertrain.envs.base import Problem, Split, Tool, vendored_path
+from evertrain.envs.base import FixedSplits, Problem, Tool, vendored_path
 from evertrain.envs.gsm8k import GSM8K
 from evertrain.envs.tools import Message, PythonTool, ToolCall, ToolEnvironment
 
@@ -30,7 +29,7 @@ _ANNOTATION = re.compile(r"<<([^>=]*)=[^>]*>>")
 _ANY_ANNOTATION = re.compile(r"<<[^>]*>>")
 
 
-class GSM8KTools(ToolEnvironment, MathEnvironment):
+class GSM8KTools(FixedSplits, ToolEnvironment, MathEnvironment):
     """GSM8K with the ``python`` tool: up to two tool calls, then the final answer (three assistant turns)."""
 
     name: ClassVar[str] = "gsm8k-tools"
@@ -65,15 +64,6 @@ class GSM8KTools(ToolEnvironment, MathEnvironment):
                 Problem.make(self.name, p.prompt, {**p.payload, "gsm8k_id": p.id}, split) for p in pool
             ]
         return splits
-
-    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
-        pool = self._splits[split]
-        if split == "eval":
-            return pool[:n]
-        return random.Random(seed).sample(pool, min(n, len(pool)))
-
-    def count(self, split: Split) -> int | None:
-        return len(self._splits[split])
 
     def reference(self, problem: Problem) -> str | None:
         return problem.payload.get("solution")

@@ -56,6 +56,17 @@ class NgramIndex:
         self.grams |= fingerprint
         self.sets.append(fingerprint)
 
+    def drop_boilerplate(self, sample: list[str], max_share: float = 0.02, min_count: int = 2) -> None:
+        """Forget n-grams found in more than ``max_share`` (and more than ``min_count``) of ``sample``'s texts:
+        instructions repeated in every prompt of a data set are not evidence of a leaked problem."""
+        from collections import Counter
+
+        counts = Counter(g for text in sample for g in shingles(text, self.n))
+        limit = max(min_count, int(max_share * len(sample)))
+        common = {g for g, c in counts.items() if c > limit}
+        self.grams -= common
+        self.sets = [fingerprint - common for fingerprint in self.sets]
+
     def overlaps(self, text: str) -> bool:
         """True when ``text`` shares at least one n-gram with an indexed text (contamination)."""
         return not self.grams.isdisjoint(shingles(text, self.n))
@@ -73,6 +84,7 @@ class ValidationReport:
     env: str
     checked: int = 0
     failures: list[str] = field(default_factory=list)
+    sandbox_runs: list[dict[str, Any]] = field(default_factory=list)  # audit rows of sandboxed verifications
 
     @property
     def ok(self) -> bool:
@@ -106,15 +118,21 @@ def validate(env: Environment, problems: int = 3, seed: int = 0) -> ValidationRe
         return report
     for problem in sample:
         report.checked += 1
+
+        def verify(completion: str, problem: Problem = problem) -> Any:
+            verdict = env.verify(problem, completion)
+            report.sandbox_runs += verdict.detail.pop("sandbox_runs", None) or []
+            return verdict
+
         reference = env.reference(problem)
         if reference is not None:
-            first, second = env.verify(problem, reference), env.verify(problem, reference)
+            first, second = verify(reference), verify(reference)
             if first.reward != 1.0:
                 report.failures.append(f"{problem.id}: the reference earned {first.reward} ({first.reason})")
             if (first.reward, first.reason) != (second.reward, second.reason):
                 report.failures.append(f"{problem.id}: the reference got two different verdicts")
         for hack in _hacks(env, problem):
-            verdict = env.verify(problem, hack)
+            verdict = verify(hack)
             if verdict.reward != 0.0:
                 report.failures.append(f"{problem.id}: junk/hack completion earned {verdict.reward}: {hack[:60]!r}")
     return report

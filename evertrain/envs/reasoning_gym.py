@@ -640,6 +640,7 @@ class ReasoningGym(Environment):
 
     kind: ClassVar[str] = "reasoning"
     source: ClassVar[str] = f"reasoning-gym {RG_VERSION} (generated)"
+    templated: ClassVar[bool] = True
 
     def __init__(self, generator: str, *, reward: Reward = "strict", config: dict[str, Any] | None = None,
                  eval_size: int = DEFAULT_EVAL_SIZE, **options: Any) -> None:

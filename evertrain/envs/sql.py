@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from evertrain.envs.answers import extract_final_answer, grade_math, parse_number
-from evertrain.envs.base import Problem, Split, Tool, Verdict, vendored_path
+from evertrain.envs.base import FixedSplits, Problem, Split, Tool, Verdict, vendored_path
 from evertrain.envs.tools import Message, SqlTable, SqlTool, ToolCall, ToolEnvironment
 
 ORDERS = SqlTable(
@@ -229,11 +229,12 @@ def grade_text(completion: str, expected: str) -> Verdict:
 _TOOL = SqlTool(ORDERS)
 
 
-class SqlQuestions(ToolEnvironment):
+class SqlQuestions(FixedSplits, ToolEnvironment):
     """Questions about the shop's orders; the policy may query the table with the ``sql`` tool."""
 
     name: ClassVar[str] = "sql"
     source: ClassVar[str] = "data/sql/questions.jsonl (generated from data/sql/orders.csv, see its README)"
+    templated: ClassVar[bool] = True
     tools: ClassVar[dict[str, Tool]] = {"sql": _TOOL}
     max_turns: ClassVar[int] = 4
     system_prompt: ClassVar[str] = (
@@ -271,15 +272,6 @@ class SqlQuestions(ToolEnvironment):
                     raise ValueError(f"{path}:{number}: unknown split {split!r}")
                 splits[split].append(Problem.make(self.name, question, payload, split))
         return splits
-
-    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
-        pool = self._splits[split]
-        if split == "eval":
-            return pool[:n]
-        return random.Random(seed).sample(pool, min(n, len(pool)))
-
-    def count(self, split: Split) -> int | None:
-        return len(self._splits[split])
 
     def grade_answer(self, problem: Problem, text: str) -> Verdict:
         if problem.payload.get("answer_type") == "text":

@@ -5,12 +5,16 @@ For each environment (its share of the iteration follows its weight) candidates 
 
 1. ``duplicate``: the same problem (content hash) already chosen this iteration;
 2. ``near_duplicate``: word 3-grams overlapping a chosen problem's beyond ``curation.near_duplicate_jaccard``;
-3. ``contaminated``: sharing a word n-gram with any environment's held-out problem, or being one;
+3. ``contaminated``: being any environment's held-out problem, or sharing a word n-gram with the held-out
+   problem of a data-set environment;
 4. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
    attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
    shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
 
-The stage records how many candidates each rule dropped.
+The stage records how many candidates each rule dropped. Rules 2 and 3's n-gram checks apply to problems
+written in natural language (data sets such as GSM8K or MBPP); problems stamped from templates by a
+generator (``Environment.templated``: arithmetic, reasoning-gym, ...) differ in a few numbers, would all
+look alike, and are kept apart from their held-out set by their exact ids.
 """
 
 from __future__ import annotations
@@ -38,9 +42,15 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
     index = NgramIndex(n=config.curation.decontamination_ngram)
     ids = set()
     for spec in config.environments:
-        for problem in rt.env(spec.name).problems("eval", config.eval_size(spec.name), config.seed):
+        env = rt.env(spec.name)
+        mine = NgramIndex(n=config.curation.decontamination_ngram)
+        for problem in env.problems("eval", config.eval_size(spec.name), config.seed):
             ids.add(problem.id)
-            index.add(problem.prompt)
+            if not env.templated:
+                mine.add(problem.prompt)
+        if not env.templated:  # the environment's own instructions repeat in every prompt: not a leak
+            mine.drop_boilerplate([p.prompt for p in env.problems("train", 200, config.seed)])
+        index.grams |= mine.grams
     return frozenset(ids), index
 
 
@@ -82,11 +92,12 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
             if len(kept) == share:
                 break
             attempts, passes = history.get(problem.id, (0, 0))
+            natural = not env.templated
             if problem.id in ids:
                 rule = "duplicate"
-            elif chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
+            elif natural and chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
                 rule = "near_duplicate"
-            elif problem.id in held_ids or held_index.overlaps(problem.prompt):
+            elif problem.id in held_ids or (natural and held_index.overlaps(problem.prompt)):
                 rule = "contaminated"
             elif rules.history_k and attempts >= rules.history_k and passes == attempts:
                 rule = "too_easy"
@@ -99,7 +110,8 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
                 continue
             kept.append(problem)
             ids.add(problem.id)
-            chosen.add(problem.prompt)
+            if natural:
+                chosen.add(problem.prompt)
         rows += [{
             "campaign": rt.campaign, "iteration": iteration, "problem_id": p.id, "env": env.name, "split": p.split,
             "prompt": p.prompt, "payload": to_json(p.payload), "messages": to_json(env.messages(p)),
