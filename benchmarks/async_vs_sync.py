@@ -31,6 +31,7 @@ def run(mode: str, config_path: str, iterations: int) -> dict[str, float]:
     data["name"] = f"bench-{mode}"
     data["environments"] = [{"name": "arithmetic", "weight": 1, "max_new_tokens": 24}]
     data["eval"]["problems_per_env"] = 50
+    data["promotion"]["futility"] = 0.0  # the same evaluation work in both modes, whatever the challengers do
     data["model"]["models_dir"] = str(ROOT / "models")
     data["update"].update(mode=mode, max_staleness=1 if mode == "async" else 0)
     data["paths"] = {"store": str(scratch / "store.duckdb"), "mlflow_uri": f"sqlite:///{scratch / 'mlflow.db'}",

@@ -57,8 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from evertrain.runtime import get_runtime
 
     rt = get_runtime(config)
-    print(f"campaign {config.name!r}: model {config.model.path}, environments "
-          f"{', '.join(f'{s.name}×{s.weight:g}' for s in config.environments)}; "
+    mix = [f"{s.name}×{s.weight:g}" if s.weight else f"{s.name} (eval only)" for s in config.environments]
+    print(f"campaign {config.name!r}: model {config.model.path}, environments {', '.join(mix)}; "
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
     done = campaign_flow(config, args.iterations)

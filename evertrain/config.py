@@ -65,7 +65,9 @@ class EnvironmentSpec(_Strict):
     """An environment in the campaign's mix."""
 
     name: str = Field(description="A registered environment: 'arithmetic', 'gsm8k', 'mbpp', 'rg:<generator>' ...")
-    weight: float = Field(1.0, gt=0, description="Relative share of each iteration's problems.")
+    weight: float = Field(
+        1.0, ge=0, description="Relative share of each iteration's training problems; 0: evaluated only (a guard "
+        "against regressions on a domain that would teach nothing).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options passed to the environment.")
     max_new_tokens: int | None = Field(
         None, ge=1, le=32768, description="Completion length limit for this environment (default: generation's)."
@@ -151,6 +153,10 @@ class EvalConfig(_Strict):
         0, ge=0, le=64, description="Sampled attempts per problem (at generation.temperature) besides the greedy one, "
         "for pass@k with k = samples; 0: greedy pass@1 only.")
     max_new_tokens: int | None = Field(None, ge=1, description="Defaults to generation.max_new_tokens.")
+    looks: int = Field(
+        4, ge=1, le=20, description="The challenger is evaluated in this many slices (each a share of every "
+        "environment's held-out problems); after each but the last the gate may stop a challenger that is clearly "
+        "not better (promotion.futility). 1: always evaluate everything.")
 
 
 class PromotionConfig(_Strict):
@@ -165,6 +171,16 @@ class PromotionConfig(_Strict):
     reset_after_failures: int = Field(
         0, ge=0, description="Reset the trainee to the champion after this many failed gates in a row (0: never)."
     )
+    futility: float = Field(
+        0.05, ge=0, lt=1, description="Stop evaluating a challenger at an interim look (eval.looks) when "
+        "P(not worse) on the problems so far is below this, and keep the champion (0: never stop early). Stopping "
+        "can only reject, so it never raises the chance of promoting a worse model.")
+
+    @model_validator(mode="after")
+    def _futility_below_confidence(self) -> PromotionConfig:
+        if self.futility and self.futility >= self.confidence:
+            raise ValueError("promotion.futility must be below promotion.confidence")
+        return self
 
 
 class PricesConfig(_Strict):
@@ -224,6 +240,8 @@ class CampaignConfig(_Strict):
             raise ValueError(f"an environment is listed twice: {names}")
         for spec in specs:
             registry.check_name(spec.name)
+        if not any(spec.weight > 0 for spec in specs):
+            raise ValueError("every environment has weight 0: at least one must supply training problems")
         return specs
 
     def eval_size(self, env: str) -> int:

@@ -9,7 +9,8 @@ from evertrain.data.store import Store
 
 COLUMNS = [
     ("iteration", "iter"), ("mean_reward", "mean reward"), ("zero_variance_share", "zero-var groups"),
-    ("pass1_challenger", "challenger pass@1"), ("pass1_champion", "champion pass@1"),
+    ("gate_challenger_pass1", "challenger pass@1"), ("gate_champion_pass1", "champion pass@1"),
+    ("challenger_eval_share", "share evaluated"),
     ("challenger_version", "challenger"), ("promoted", "promoted"), ("wall_s", "wall s"), ("cpu_s", "cpu s"),
     ("tokens", "tokens"), ("dollars", "$"),
 ]
@@ -42,6 +43,8 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "zero_variance_share_unfiltered_est": _unfiltered_zero_variance(curate, score),
             "dropped": {k.removeprefix("dropped_"): v for k, v in curate.items() if k.startswith("dropped_")},
             "pass1_challenger": evaluate.get("pass1_challenger"),
+            # below 1 where the gate stopped a clearly worse challenger early (pass@1 is then on that share)
+            "challenger_eval_share": evaluate.get("challenger_eval_share"),
             "pass1_champion": evaluate.get("pass1_champion"),
             "pass1_by_env": {k.removeprefix("pass1_challenger_"): v for k, v in evaluate.items()
                              if k.startswith("pass1_challenger_")},
@@ -49,6 +52,11 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "champion_version": None if decision is None else int(decision["champion_version"]),
             "promoted": None if decision is None else bool(decision["promoted"]),
             "promotion_reason": None if decision is None else decision["reason"],
+            # what the gate compared: both on the same problems (a share of them where it stopped early)
+            "gate_challenger_pass1": evaluate.get("pass1_challenger") if decision is None
+            else float(decision["challenger_pass1"]),
+            "gate_champion_pass1": evaluate.get("pass1_champion") if decision is None
+            else float(decision["champion_pass1"]),
             "wall_s": float(group["wall_s"].fillna(0).sum()),
             "cpu_s": float(group["cpu_s"].fillna(0).sum()),
             "tokens": tokens,
@@ -103,7 +111,10 @@ def render_table(rows: list[dict[str, Any]], title: str) -> None:
         table.add_column(header, justify="right")
     for row in rows:
         table.add_row(*[_cell(row.get(key)) for key, _ in COLUMNS])
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped or logged: never truncate a column to fit 80 characters
+        console = Console(width=max(console.width, 160))
+    console.print(table)
 
 
 def current_champion(store: Store, campaign: str) -> int | None:

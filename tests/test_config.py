@@ -24,8 +24,10 @@ def test_shipped_configs_load():
     ({"environments": [{"name": "chess"}]}, "environments", "unknown environment 'chess'"),
     ({"group_size": 1}, "group_size", "greater than or equal to 2"),
     ({"model": {"path": "/nonexistent/model"}}, "model.path", "does not exist"),
-    ({"environments": [{"name": "arithmetic", "weight": 0}]}, "environments.0.weight", "greater than 0"),
+    ({"environments": [{"name": "arithmetic", "weight": -1}]}, "environments.0.weight", "greater than or equal to 0"),
+    ({"environments": [{"name": "arithmetic", "weight": 0}]}, "environments", "at least one must supply"),
     ({"name": "no spaces"}, "name", "letters, digits"),
+    ({"promotion": {"confidence": 0.9, "futility": 0.95}}, "promotion", "futility must be below"),
     ({"update": {"learnig_rate": 1e-4}}, "update.learnig_rate", "Extra inputs"),
 ])
 def test_bad_values_name_the_field(data, field, words):

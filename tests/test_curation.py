@@ -12,7 +12,8 @@ from evertrain.envs import registry
 from evertrain.envs.quality import NgramIndex, validate
 from evertrain.runtime import get_runtime, release_runtimes
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
-from evertrain.tasks.evaluate import pass_at_k
+from evertrain.tasks.base import allocate
+from evertrain.tasks.evaluate import eval_problems, pass_at_k
 from tests.conftest import smoke_config_in
 
 HELD = "A farmer has 12 cows and buys 7 more at the market on Sunday. How many cows does the farmer have now?"
@@ -50,6 +51,19 @@ def test_curate_drops_contaminated_problems(tmp_path, models_dir):
     assert metrics["dropped_contaminated"] == 1
     prompts = get_runtime(config).store.query("SELECT prompt FROM problems")["prompt"]
     assert not prompts.str.contains("farmer").any() and len(prompts) == 12
+
+
+def test_weight_zero_environment_is_evaluated_but_never_trained_on(tmp_path, models_dir):
+    assert allocate(16, [7, 0]) == [16, 0] and allocate(5, [1, 0, 1]) in ([3, 0, 2], [2, 0, 3])
+    config = smoke_config_in(
+        tmp_path, models_dir, name="guard", problems_per_iteration=5,
+        environments=[{"name": "arithmetic", "weight": 1}, {"name": "digits", "weight": 0}],
+        eval={"problems_per_env": 4})
+    rt = get_runtime(config)
+    metrics = run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+    assert metrics["problems_digits"] == 0 and metrics["problems"] == 5
+    assert set(rt.store.query("SELECT env FROM problems")["env"]) == {"arithmetic"}
+    assert {p.env for p in eval_problems(rt)} == {"arithmetic", "digits"}
 
 
 def test_difficulty_history_skips_mastered_and_hopeless_problems(tmp_path, models_dir):

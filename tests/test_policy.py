@@ -79,3 +79,28 @@ def test_lora_checkpoint_round_trips(tiny, tmp_path):
         assert not torch.allclose(merged(input_ids=ids).logits, base(input_ids=ids).logits)
         model.eval()
         torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_concurrent_loads_get_real_weights(tiny):
+    """Async mode loads the trainee for the update while the next rollout loads its sampler: transformers
+    builds models under process-wide state, and unserialized concurrent loads came back on the meta device."""
+    import threading
+
+    checkpoint = tiny[0]
+    failures: list[str] = []
+
+    def load(trainable: bool) -> None:
+        for _ in range(4):
+            try:
+                model, _ = load_policy(checkpoint, trainable=trainable)
+                if any(p.is_meta for p in model.parameters()):
+                    failures.append("meta parameters")
+            except Exception as error:  # any failure is the finding
+                failures.append(repr(error)[:200])
+
+    threads = [threading.Thread(target=load, args=(flag,)) for flag in (True, False)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:2]

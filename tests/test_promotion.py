@@ -48,6 +48,30 @@ def test_gate_blocks_a_regression_hidden_by_an_average_gain():
     assert not decision["promoted"] and "b regressed" in decision["reason"]
 
 
+def test_futility_counts_ties_as_not_worse():
+    from evertrain.tasks.evaluate import paired_bootstrap
+
+    # the challenger lost one of 57 problems and won none: no bootstrap mean is above 0, so P(better) is 0,
+    # but that is no evidence that the rest of the evaluation is futile
+    challenger, champion = np.array([0.0] + [1.0] * 56), np.ones(57)
+    tie = paired_bootstrap(challenger, champion, np.zeros(57), 2000, seed=0)
+    assert tie["p_better"] == 0.0 and tie["p_not_worse"] > 0.3
+    clearly_worse = paired_bootstrap(np.zeros(57), np.array([1.0] * 15 + [0.0] * 42), np.zeros(57), 2000, seed=0)
+    assert clearly_worse["p_not_worse"] < 0.05
+
+
+def test_slices_take_the_same_share_of_every_environment():
+    from evertrain.envs.base import Problem
+    from evertrain.tasks.evaluate import slices
+
+    problems = [Problem.make("a", f"a{i}", {}, "eval") for i in range(8)]
+    problems += [Problem.make("b", f"b{i}", {}, "eval") for i in range(4)]
+    parts = slices(problems, 4)
+    assert [[p.env for p in part] for part in parts] == [["a", "a", "b"]] * 4
+    assert [p.id for part in parts for p in part if p.env == "a"] == [p.id for p in problems[:8]]
+    assert slices(problems, 1) == [problems]
+
+
 def _register_random_challenger(rt, iteration: int, models_dir) -> int:
     """What a broken update would register: full weights, freshly randomly initialized."""
     from evertrain.models.policy import save_checkpoint
@@ -93,6 +117,10 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
     assert rt.champion_version() == champion
     decision = rt.store.query("SELECT * FROM promotions WHERE iteration = 5").iloc[0]
     assert decision["challenger_version"] == bad and decision["challenger_pass1"] < decision["champion_pass1"]
+    # and it cost a quarter of an evaluation: the gate stopped at its first look (eval.looks = 4)
+    assert "stopped for futility after 6 of 24 problems" in decision["reason"], decision["reason"]
+    answered = rt.store.query("SELECT count(*) AS n FROM evals WHERE iteration = 5 AND model_version = ?", [bad])
+    assert int(answered["n"].iloc[0]) == 6
 
     # rollback: champion goes back to previous_champion, and the next rollout samples from it
     previous = rt.tracker.alias("previous_champion")

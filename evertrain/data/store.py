@@ -182,12 +182,7 @@ class Store:
         with self.transaction() as con:
             con.execute(f"DELETE FROM {table} WHERE {where}", list(scope.values()))
             if len(frame):
-                columns = ", ".join(frame.columns)
-                con.register("_incoming", frame)
-                try:
-                    con.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM _incoming")
-                finally:
-                    con.unregister("_incoming")
+                _insert(con, table, frame, "INSERT")
         return len(frame)
 
     def append(self, table: str, rows: pd.DataFrame | list[dict[str, Any]]) -> int:
@@ -195,13 +190,8 @@ class Store:
         frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
         if not len(frame):
             return 0
-        columns = ", ".join(frame.columns)
         with self.transaction() as con:
-            con.register("_incoming", frame)
-            try:
-                con.execute(f"INSERT OR REPLACE INTO {table} ({columns}) SELECT {columns} FROM _incoming")
-            finally:
-                con.unregister("_incoming")
+            _insert(con, table, frame, "INSERT OR REPLACE")
         return len(frame)
 
     def update_rollout_scores(self, campaign: str, iteration: int, scores: pd.DataFrame) -> int:
@@ -275,3 +265,13 @@ def close_store(path: str | Path) -> None:
         store = _open.pop(Path(path).resolve(), None)
     if store is not None:
         store.close()
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, frame: pd.DataFrame, verb: str) -> None:
+    """``verb`` (INSERT, INSERT OR REPLACE) every row of ``frame`` into ``table``, matching columns by name."""
+    columns = ", ".join(frame.columns)
+    con.register("_incoming", frame)
+    try:
+        con.execute(f"{verb} INTO {table} ({columns}) SELECT {columns} FROM _incoming")
+    finally:
+        con.unregister("_incoming")

@@ -87,6 +87,18 @@ def grade_math(completion: str, expected: str) -> Verdict:
     return Verdict.ok(answer=answer[:200])
 
 
+def question_and_answer(data: Any) -> tuple[str, str | int | float]:
+    """The ``question`` and ``answer`` of a problem given as JSON, or a ValueError naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"problem must be a JSON object, not {type(data).__name__}")
+    question, answer = data.get("question"), data.get("answer")
+    if not isinstance(question, str):
+        raise ValueError("problem.question must be a string")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError("problem.answer must be a string or a number")
+    return question, answer
+
+
 class MathEnvironment(Environment):
     """Math-like problems ``{"question": str, "answer": str}`` graded by the strict final-answer rule."""
 
@@ -96,13 +108,7 @@ class MathEnvironment(Environment):
         return grade_math(completion, problem.payload["answer"])
 
     def parse_problem(self, data: dict[str, Any]) -> Problem:
-        if not isinstance(data, dict):
-            raise ValueError(f"problem must be a JSON object, not {type(data).__name__}")
-        question, answer = data.get("question"), data.get("answer")
-        if not isinstance(question, str):
-            raise ValueError("problem.question must be a string")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise ValueError("problem.answer must be a string or a number")
+        question, answer = question_and_answer(data)
         if parse_number(str(answer)) is None:
             raise ValueError(f"problem.answer {answer!r} is not a number")
         return Problem.make(self.name, question, {"answer": str(answer)})

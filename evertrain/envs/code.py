@@ -65,7 +65,9 @@ REASONS: dict[str, str] = {
     "tests_incomplete": "the test process did not report every test as run to its end",
 }
 
-GRADE_LIMITS = Limits()  # per process; each grade runs two
+# per process; each grade runs two. MBPP's slowest reference (task 123, amicable numbers below 10,000) needs
+# 5.2 CPU-seconds bare on this repository's machine: 10 leaves it room, 30 s of wall clock room under load
+GRADE_LIMITS = Limits(timeout_s=30.0, cpu_s=10)
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)\Z", re.DOTALL | re.IGNORECASE)

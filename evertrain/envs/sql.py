@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evertrain.envs.answers import extract_final_answer, grade_math, parse_number
+from evertrain.envs.answers import extract_final_answer, grade_math, parse_number, question_and_answer
 from evertrain.envs.base import FixedSplits, Problem, Split, Tool, Verdict, vendored_path
 from evertrain.envs.tools import Message, SqlTable, SqlTool, ToolCall, ToolEnvironment
 
@@ -287,13 +287,7 @@ class SqlQuestions(FixedSplits, ToolEnvironment):
         return f"The query gives the answer: {answer}.\n#### {answer}"
 
     def parse_problem(self, data: dict[str, Any]) -> Problem:
-        if not isinstance(data, dict):
-            raise ValueError(f"problem must be a JSON object, not {type(data).__name__}")
-        question, answer = data.get("question"), data.get("answer")
-        if not isinstance(question, str):
-            raise ValueError("problem.question must be a string")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise ValueError("problem.answer must be a string or a number")
+        question, answer = question_and_answer(data)
         answer_type = data.get("answer_type") or ("number" if parse_number(str(answer)) is not None else "text")
         if answer_type not in ("number", "text"):
             raise ValueError("problem.answer_type must be 'number' or 'text'")

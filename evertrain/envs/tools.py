@@ -416,13 +416,8 @@ class ToolEnvironment(Environment):
     worked_example: ClassVar[tuple[Message, ...]] = ()
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        chat: list[dict[str, str]] = []
-        if self.system_prompt:
-            chat.append({"role": "system", "content": self.system_prompt})
-        for user, assistant in self.examples:
-            chat += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        chat += [dict(message) for message in self.worked_example]
-        chat.append({"role": "user", "content": problem.prompt})
+        chat = super().messages(problem)
+        chat[-1:-1] = [dict(message) for message in self.worked_example]
         return chat
 
     def grade_answer(self, problem: Problem, text: str) -> Verdict:

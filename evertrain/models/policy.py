@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,14 +86,26 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+# transformers builds a model under process-wide state (parameters are first created on the meta device):
+# two threads loading at once (async mode: the update's load beside the next rollout's) get meta tensors
+# ("Cannot copy out of meta tensor"), so every load, peft wrapping included, holds this lock
+_LOAD_LOCK = threading.Lock()
+
+
 def load_policy(checkpoint: str | Path, *, trainable: bool = False, dtype: torch.dtype = torch.float32,
                 lora: LoraConfig | None = None, finetune: str = "lora", device: str = "auto") -> tuple[Any, Any]:
-    """Load the policy in ``checkpoint`` and its tokenizer.
+    """Load the policy in ``checkpoint`` and its tokenizer (thread-safe: loads are serialized).
 
     For sampling (``trainable=False``) LoRA adapters are merged into the weights, which makes decoding
     as fast as the base model. For training a ``base`` checkpoint gets fresh adapters (``finetune='lora'``)
     or trains all weights (``'full'``).
     """
+    with _LOAD_LOCK:
+        return _load_policy(checkpoint, trainable, dtype, lora, finetune, device)
+
+
+def _load_policy(checkpoint: str | Path, trainable: bool, dtype: torch.dtype, lora: LoraConfig | None,
+                 finetune: str, device: str) -> tuple[Any, Any]:
     manifest = read_manifest(checkpoint)
     kind, base_model = manifest["kind"], manifest["base_model"]
     tokenizer = load_tokenizer(base_model)

@@ -96,11 +96,11 @@ def stage_cost(rt: Runtime, metrics: dict[str, Any], wall: float, cpu: float) ->
 
 
 def allocate(total: int, weights: list[float]) -> list[int]:
-    """Split ``total`` by ``weights`` (largest remainder), every share as fair as integers allow."""
+    """Split ``total`` by ``weights`` (largest remainder), every share as fair as integers allow; weight 0 gets 0."""
     scale = sum(weights)
     exact = [total * w / scale for w in weights]
     counts = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)
+    order = sorted((i for i, w in enumerate(weights) if w > 0), key=lambda i: exact[i] - counts[i], reverse=True)
     for i in order[: total - sum(counts)]:
         counts[i] += 1
     return counts

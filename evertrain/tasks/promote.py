@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -20,24 +19,7 @@ from evertrain.config import CampaignConfig, PromotionConfig
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import run_stage
-from evertrain.tasks.evaluate import challenger_of, champion_of
-
-
-def paired_bootstrap(challenger: np.ndarray, champion: np.ndarray, strata: np.ndarray, samples: int,
-                     seed: int) -> dict[str, float]:
-    """Gain of challenger over champion on paired per-problem scores, with a stratified bootstrap."""
-    diff = challenger.astype(float) - champion.astype(float)
-    rng = np.random.default_rng(seed)
-    totals = np.zeros(samples)
-    for stratum in np.unique(strata):
-        values = diff[strata == stratum]
-        picks = rng.integers(0, len(values), size=(samples, len(values)))
-        totals += values[picks].sum(axis=1)
-    means = totals / len(diff)
-    return {
-        "gain": float(diff.mean()), "p_better": float((means > 0).mean()),
-        "gain_low": float(np.quantile(means, 0.025)), "gain_high": float(np.quantile(means, 0.975)),
-    }
+from evertrain.tasks.evaluate import challenger_of, champion_of, paired_bootstrap
 
 
 def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int) -> dict[str, Any]:
@@ -129,9 +111,15 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     scores = evals.pivot_table(index=["problem_id", "env"], columns="model_version", values="reward").reset_index()
     scores["challenger"] = scores[challenger]
     scores["champion"] = scores[champion] if champion in scores else scores[challenger]
+    total = len(scores)
+    scores = scores.dropna(subset=["challenger", "champion"])  # an evaluation stopped for futility
     decision = decide(scores, rule, seed_for(rt.config.seed, iteration, "promote"))
     if challenger == champion:
         decision.update(promoted=False, reason="kept champion: the challenger is the champion")
+    elif len(scores) < total:
+        decision.update(promoted=False, reason=(
+            f"kept champion: evaluation stopped for futility after {len(scores)} of {total} problems "
+            f"(gain {decision['gain']:+.3f}, P(not worse) = {decision['p_not_worse']:.3f})"))
 
     failures = 0 if decision["promoted"] else _consecutive_failures(rt, iteration) + 1
     reset = bool(rule.reset_after_failures) and failures >= rule.reset_after_failures
