@@ -198,7 +198,7 @@ def futility_check(rt: Runtime, iteration: int, champion_rows: list[dict[str, An
 
     def stop(rows: list[dict[str, Any]]) -> str | None:
         mine = [row for row in rows if row["sample"] == 0 and row["problem_id"] in champion]
-        if not mine or not rule.futility:
+        if not mine:
             return None
         test = paired_bootstrap(np.array([row["reward"] for row in mine]),
                                 np.array([champion[row["problem_id"]] for row in mine]),
@@ -233,7 +233,8 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, Any]:
     roles = ([("champion", champion)] if champion != challenger else []) + [("challenger", challenger)]
     for role, version in roles:
         stop = None
-        if role == "challenger" and champion != challenger and rt.config.eval.looks > 1:
+        if role == "challenger" and champion != challenger and rt.config.eval.looks > 1 and \
+                rt.config.promotion.futility:
             stop = futility_check(rt, iteration, rows, len(problems))
         version_rows, stats = evaluate_version(rt, version, problems, iteration, role, stop)
         rows += version_rows
