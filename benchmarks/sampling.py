@@ -1,11 +1,13 @@
-"""Sampling throughput of the policy on this machine: float32 against bfloat16, and effective GFLOP/s.
+"""Sampling throughput on this machine: the in-house sampler (float32, bfloat16) against a vLLM engine.
 
-Samples G completions for a batch of `arithmetic` prompts with evertrain's sampler (shared-prefix
-prefill, KV-cache fan-out to the group, finished rows leaving the batch) on SmolLM2-135M-Instruct, in
-both precisions, and reports completion tokens per second, CPU seconds, and effective GFLOP/s counting
-about 2 x 135M FLOP per token actually computed (prompt tokens computed once, plus completion tokens).
+Both backends go through the same :class:`evertrain.models.sampler.Sampler` interface the rollout and
+evaluate stages use, on SmolLM2-135M-Instruct: a rollout of G completions for a batch of `arithmetic`
+prompts, and a greedy evaluation of held-out problems. Reported per backend and precision: completion
+tokens per second, wall and CPU seconds (for vLLM: the engine process and its worker, read from /proc),
+prompt tokens served from the prefix cache, effective GFLOP/s (about 2 x 135M FLOP per token computed),
+and the engine's start-up time (paid once per campaign process, never per stage).
 
-    .venv/bin/python benchmarks/sampling.py [--prompts 16] [--group 8] [--tokens 24]
+    .venv/bin/python benchmarks/sampling.py [--prompts 16] [--group 8] [--tokens 24] [--eval 200]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -27,50 +30,93 @@ def cpu() -> float:
     return t.user + t.system
 
 
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` and every live descendant (the vLLM engine core and its worker)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        pending += [int(c) for c in children]
+    return total
+
+
+def measure(sampler: Any, prompts: list[list[int]], n: int, greedy: bool, tokens: int, repeats: int,
+            engine_pid: int | None) -> dict[str, Any]:
+    wall0, cpu0 = time.perf_counter(), cpu()
+    engine0 = process_tree_cpu(engine_pid) if engine_pid else 0.0
+    for repeat in range(repeats):
+        _, stats = sampler.sample(prompts, n, max_new_tokens=tokens, temperature=0.8, greedy=greedy, batch_size=64,
+                                  seed=repeat)
+    wall = (time.perf_counter() - wall0) / repeats
+    used = (cpu() - cpu0 + (process_tree_cpu(engine_pid) - engine0 if engine_pid else 0.0)) / repeats
+    computed = stats.prompt_tokens + stats.completion_tokens
+    return {"completions": len(prompts) * n, "completion_tokens": stats.completion_tokens, "wall_s": wall,
+            "cpu_s": used, "tokens_per_s": stats.completion_tokens / wall,
+            "prompt_tokens_cached": stats.cached_prompt_tokens,
+            "effective_gflops": computed * FLOP_PER_TOKEN / wall / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--eval", type=int, default=200, help="held-out problems answered greedily")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--backends", default="hf:float32,vllm:bfloat16,hf:bfloat16,vllm:float32")
     args = parser.parse_args()
     from evertrain.runtime import quiet_libraries
 
     quiet_libraries()
-    import torch
-
     from benchmarks.common import print_table, save
+    from evertrain.config import CampaignConfig
     from evertrain.envs import registry
     from evertrain.models.convert import convert_smollm2
-    from evertrain.models.policy import encode_chat, load_policy, sample, set_threads, write_base_checkpoint
+    from evertrain.models.policy import encode_chat, set_threads, write_base_checkpoint
+    from evertrain.models.sampler import open_sampler, shutdown_engines
 
     set_threads(None)
-    base = convert_smollm2(ROOT / "models" / "SmolLM2-135M-Instruct")
+    base = convert_smollm2(ROOT / "state" / "models" / "SmolLM2-135M-Instruct")
     checkpoint = write_base_checkpoint(Path(tempfile.mkdtemp()) / "base", str(base))
     env = registry.get("arithmetic")
-    problems = env.problems("train", args.prompts, 0)
+    train, held_out = env.problems("train", args.prompts, 0), env.problems("eval", args.eval, 0)
     rows = []
-    for dtype in ("float32", "bfloat16"):
-        model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, dtype))
-        prompts = [encode_chat(tokenizer, env.messages(p)) for p in problems]
-        sample(model, tokenizer, prompts[:2], 2, max_new_tokens=4, temperature=0.8)  # warm-up
-        for mode, n, greedy in (("rollout", args.group, False), ("greedy eval", 1, True)):
-            wall0, cpu0 = time.perf_counter(), cpu()
-            for repeat in range(args.repeats):
-                _, stats = sample(model, tokenizer, prompts, n, max_new_tokens=args.tokens, temperature=0.8,
-                                  greedy=greedy, batch_size=64, seed=repeat)
-            wall, used = (time.perf_counter() - wall0) / args.repeats, (cpu() - cpu0) / args.repeats
-            computed = stats.prompt_tokens + stats.completion_tokens
-            rows.append({"dtype": dtype, "mode": mode, "completions": len(prompts) * n,
-                         "completion_tokens": stats.completion_tokens, "wall_s": wall, "cpu_s": used,
-                         "tokens_per_s": stats.completion_tokens / wall,
-                         "prompt_tokens_cached": stats.cached_prompt_tokens,
-                         "effective_gflops": computed * FLOP_PER_TOKEN / wall / 1e9})
-    print_table(rows, ["dtype", "mode", "completions", "completion_tokens", "wall_s", "cpu_s", "tokens_per_s",
-                       "prompt_tokens_cached", "effective_gflops"])
-    path = save("sampling", {"settings": vars(args), "rows": rows,
-                             "note": "ceilings measured here (DESIGN.md): 212 GFLOP/s float32, 925 GFLOP/s bfloat16 "
-                                     "for a 2048x2048 matrix product"})
+    load0 = os.getloadavg()[0]
+    for spec in args.backends.split(","):
+        backend, dtype = spec.split(":")
+        config = CampaignConfig.model_validate({"model": {"path": str(base), "rollout_dtype": dtype},
+                                                "generation": {"backend": backend}})
+        began = time.perf_counter()
+        sampler, _ = open_sampler(config, checkpoint)
+        startup = time.perf_counter() - began
+        engine_pid = sampler.engine.process.pid if backend == "vllm" else None
+        tokenizer = sampler.tokenizer
+        rollout = [encode_chat(tokenizer, env.messages(p)) for p in train]
+        evaluation = [encode_chat(tokenizer, env.messages(p)) for p in held_out]
+        sampler.sample(rollout[:2], 2, max_new_tokens=4, temperature=0.8)  # warm-up
+        for mode, prompts, n, greedy in (("rollout", rollout, args.group, False),
+                                         ("greedy eval", evaluation, 1, True)):
+            row = measure(sampler, prompts, n, greedy, args.tokens, args.repeats, engine_pid)
+            rows.append({"backend": backend, "dtype": dtype, "mode": mode, "startup_s": startup,
+                         "load_average": os.getloadavg()[0], **row})
+            print(rows[-1], flush=True)
+        del sampler
+        shutdown_engines()
+        # saved after every backend: a long run interrupted still leaves what it measured
+        path = save("sampling", {
+            "settings": vars(args), "rows": rows, "load_average_before": load0,
+            "note": "startup_s: loading the weights (hf) or starting the vLLM engine (vllm, enforce_eager), paid "
+                    "once per process. load_average: of the machine (2 cores) when the row was measured. Ceilings "
+                    "measured here (DESIGN.md): 212 GFLOP/s float32, 925 GFLOP/s bfloat16 for a 2048x2048 matrix "
+                    "product."})
+    print_table(rows, ["backend", "dtype", "mode", "startup_s", "completions", "completion_tokens", "wall_s",
+                       "cpu_s", "tokens_per_s", "prompt_tokens_cached", "effective_gflops", "load_average"])
     print(f"\nsaved {path.relative_to(ROOT)}")
 
 

@@ -9,15 +9,18 @@ sampled completions is reached, whichever comes first):
 - evertrain: the real campaign flow (``campaign_flow``), one iteration at a time, on configs/default.toml
   reduced to the arithmetic environment. Training CPU is the ``stage_runs.cpu_s`` of curate, rollout,
   score and update; its own evaluate and promote stages (the promotion gate) are reported apart.
-- TRL: ``GRPOTrainer`` on its own (DESIGN.md's reference settings: lr 1e-4, 32 completions a step,
-  beta 0), with a reward function that calls the same verifier. Training CPU is the process CPU time
+- TRL: ``GRPOTrainer`` on its own (DESIGN.md's reference settings: 32 completions a step, beta 0), with a
+  reward function that calls the same verifier. Both systems train at the same learning rate
+  (``--learning-rate``, default 1e-4, DESIGN.md's TRL reference). Training CPU is the process CPU time
   from the first step to the last, less the adapter snapshots this benchmark takes for the curve.
 
 Each system trains in its own subprocess (a crash in one keeps the other's results; CPU time is the
 process's own). Afterwards every checkpoint is evaluated by this script with the same code: the model
 loaded from its checkpoint (the base model, or base + LoRA adapter merged), greedy decoding, the same
-held-out problems, pass@1 with a 95% bootstrap CI. Those evaluations are outside the training budget
-and are timed separately.
+problems of the environment's sealed test split (never seen by evertrain's curation or gate), pass@1 with
+a 95% bootstrap CI; the final checkpoints also on the sealed transfer split (phrasings and operators never
+trained on, no worked examples). Those evaluations are outside the training budget and are timed
+separately. One seed per invocation (``--seed``): several seeds are several runs (still to be automated).
 
     .venv/bin/python benchmarks/vs_trl.py [--cpu-minutes 15] [--eval-problems 200] [--systems evertrain,trl]
     .venv/bin/python benchmarks/vs_trl.py --quick              # 1 CPU-minute per system, 40 eval problems
@@ -48,8 +51,7 @@ EVAL_STAGES = ("evaluate", "promote")
 RESULTS_NAME = "vs_trl"
 BOOTSTRAP_SAMPLES = 2000
 BOOTSTRAP_SEED = 20261130
-# DESIGN.md's TRL reference settings
-TRL_LEARNING_RATE = 1e-4
+# DESIGN.md's TRL reference settings (the learning rate is shared by both systems: --learning-rate)
 TRL_COMPLETIONS_PER_STEP = 32
 
 
@@ -99,6 +101,8 @@ def campaign_config(args: argparse.Namespace, scratch: Path) -> Any:
     config = load_config(ROOT / "configs" / "default.toml")
     data = config.model_dump()
     data["name"] = "vs-trl"
+    data["seed"] = args.seed
+    data["update"]["learning_rate"] = args.learning_rate  # like with like: TRL trains at the same rate
     arithmetic = next(spec for spec in data["environments"] if spec["name"] == "arithmetic")
     data["environments"] = [{**arithmetic, "weight": 1.0, "eval_problems": None}]
     data["eval"]["problems_per_env"] = args.eval_problems
@@ -314,11 +318,11 @@ def train_trl(args: argparse.Namespace, scratch: Path, out: Path, base_model: st
     grpo = GRPOConfig(
         output_dir=str(scratch / "trl" / "output"), use_cpu=True, bf16=False, fp16=False,
         report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        learning_rate=TRL_LEARNING_RATE, lr_scheduler_type="constant", max_steps=100_000,
+        learning_rate=args.learning_rate, lr_scheduler_type="constant", max_steps=100_000,
         per_device_train_batch_size=TRL_COMPLETIONS_PER_STEP, gradient_accumulation_steps=1,
         num_generations=G, max_completion_length=config.max_new_tokens("arithmetic"),
         temperature=config.generation.temperature, top_p=config.generation.top_p, beta=0.0,
-        activation_checkpointing=args.trl_gradient_checkpointing, seed=config.seed, dataloader_num_workers=0,
+        gradient_checkpointing=args.trl_gradient_checkpointing, seed=config.seed, dataloader_num_workers=0,
     )
     lora = config.update.lora
     setup0 = cpu_seconds()
@@ -367,7 +371,7 @@ def train_trl(args: argparse.Namespace, scratch: Path, out: Path, base_model: st
 class Evaluator:
     """Greedy pass@1 of checkpoints on the held-out problems, cached per checkpoint path, CPU-timed."""
 
-    def __init__(self, config: Any, n: int, dtype: str) -> None:
+    def __init__(self, config: Any, n: int, dtype: str, split: str = "test") -> None:
         import torch
 
         from evertrain.models.policy import set_threads
@@ -375,7 +379,10 @@ class Evaluator:
         set_threads(config.torch_threads)
         self.config, self.dtype = config, getattr(torch, dtype)
         self.env = arithmetic_env(config)
-        self.problems = self.env.problems("eval", n, config.seed)
+        # the sealed splits: neither evertrain's curation nor its gate ever sees them
+        self.problems = self.env.sealed_problems(split, n, config.seed, gate=config.eval_size("arithmetic"))
+        if not self.problems:
+            raise RuntimeError(f"arithmetic has no sealed {split!r} split with these options")
         self.cache: dict[str, dict[str, Any]] = {}
 
     def __call__(self, checkpoint: str) -> dict[str, Any]:
@@ -455,7 +462,8 @@ def run_worker(system: str, args: argparse.Namespace, scratch: Path, base_model:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--scratch", str(scratch),
                "--cpu-minutes", str(args.cpu_minutes), "--eval-problems", str(args.eval_problems),
                "--max-completions", str(args.max_completions), "--model", args.model,
-               "--trl-save-every", str(args.trl_save_every), "--base-model", base_model]
+               "--trl-save-every", str(args.trl_save_every), "--base-model", base_model,
+               "--learning-rate", str(args.learning_rate), "--seed", str(args.seed)]
     if args.trl_gradient_checkpointing:
         command.append("--trl-gradient-checkpointing")
     env = {**os.environ, "EVERTRAIN_PROGRESS": "0"}
@@ -533,6 +541,8 @@ def main() -> None:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="turn TRL's activation (gradient) checkpointing on; off by default: at this model size "
                         "memory is no constraint and recomputation only costs CPU")
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW learning rate of both systems")
+    parser.add_argument("--seed", type=int, default=0, help="campaign seed (evertrain) and trainer seed (TRL)")
     parser.add_argument("--scratch", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
@@ -581,7 +591,7 @@ def main() -> None:
                       "update": config.update.model_dump(mode="json"), "rollout_dtype": config.model.rollout_dtype,
                       "curation": config.curation.model_dump(mode="json"),
                       "promotion": config.promotion.model_dump(mode="json")},
-        "trl": {"learning_rate": TRL_LEARNING_RATE, "lr_scheduler_type": "constant",
+        "trl": {"learning_rate": args.learning_rate, "lr_scheduler_type": "constant",
                 "per_device_train_batch_size": TRL_COMPLETIONS_PER_STEP, "num_generations": config.group_size,
                 "beta": 0.0, "loss_type": "default (dapo in TRL 1.16)", "bf16": False,
                 "gradient_checkpointing": args.trl_gradient_checkpointing, "save_every_steps": args.trl_save_every},
@@ -611,9 +621,12 @@ def main() -> None:
         payload["systems"][system] = {"training": training[system]}
         checkpoint_save()
 
-    evaluate = Evaluator(config, args.eval_problems, args.eval_dtype)
+    evaluate = Evaluator(config, args.eval_problems, args.eval_dtype, split="test")
+    transfer = Evaluator(config, args.eval_problems, args.eval_dtype, split="transfer")
     base = evaluate(base_checkpoint)
+    base_transfer = transfer(base_checkpoint)
     payload["base"] = {k: base[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")}
+    payload["base_transfer"] = {k: base_transfer[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")}
     rows, curves = [], {}
     for system in systems:
         record, result = payload["systems"][system], training[system]
@@ -658,6 +671,8 @@ def main() -> None:
                 extra["points_per_cpu_hour_all_in"] = 100 * (final["pass1"] - base["pass1"]) / (train_cpu / 3600)
                 summary = summarize("trl GRPOTrainer", base, final, train_cpu, completions, eval_cpu, extra)
                 rows.append(summary)
+            moved = as_array(transfer(result["checkpoints"][-1]["path"])) - as_array(base_transfer)
+            summary["transfer_gain"], summary["transfer_gain_ci"] = float(moved.mean()), list(bootstrap_ci(moved))
             record["summary"] = summary
             record["evaluations"] = {c["path"]: {k: v for k, v in evaluate(c["path"]).items()}
                                      for c in result["checkpoints"]}

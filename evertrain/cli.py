@@ -35,12 +35,12 @@ def _config(args: argparse.Namespace) -> Any:
 
 def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | None:
     from evertrain.config import PathsConfig
-    from evertrain.data.store import Store
+    from evertrain.data.store import Store, StoreLocation
 
-    path = Path(store_path or PathsConfig().store)
-    if not path.exists():
+    uri = store_path or PathsConfig().store
+    if not StoreLocation.parse(uri).exists():
         return None
-    store = Store(path, read_only=True)
+    store = Store(uri, read_only=True)
     try:
         frame = store.query("SELECT config FROM campaigns WHERE campaign = ?", [campaign])
     except Exception:
@@ -62,14 +62,14 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
     done = campaign_flow(config, args.iterations)
-    from evertrain.report import champion_vs_base
+    from evertrain.report import champion_vs_base, format_versus, share_line
 
     rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
     render_table(rows, f"campaign {config.name}")
+    if share_line(rows):
+        print(share_line(rows))
     for s in champion_vs_base(rt.store, config.name):
-        print(f"{s['env']}: champion v{s['champion_version']} pass@1 {s['champion_pass1']:.3f} vs base "
-              f"v{s['base_version']} {s['base_pass1']:.3f} on {s['problems']} held-out problems: gain "
-              f"{s['gain']:+.3f} (95% CI [{s['gain_low']:+.3f}, {s['gain_high']:+.3f}])")
+        print(format_versus(s))
     return 0
 
 
@@ -80,7 +80,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     rt = get_runtime(config)
     before = rt.store.counts()
-    metrics = run_stage(rt, args.stage, args.iteration, STAGE_FUNCTIONS[args.stage])
+    if args.stage == "sft":  # the optional stage (sft.enabled) is not one of the six
+        from evertrain.tasks.sft import sft as function
+    else:
+        function = STAGE_FUNCTIONS[args.stage]
+    metrics = run_stage(rt, args.stage, args.iteration, function)
     after = rt.store.counts()
     print(json.dumps({"stage": args.stage, "iteration": args.iteration, "metrics": metrics,
                       "rows_changed": {t: after[t] - before[t] for t in after if after[t] != before[t]}},
@@ -133,11 +137,34 @@ def _write_audit(audit: list[dict[str, Any]], store_path: str | None, output: Pa
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
+    if not args.json:
+        return _cmd_envs(args)
+    # With --json, stdout carries the JSON document alone: whatever else writes to it meanwhile (progress,
+    # third-party generators that print while they build problems, even C code writing to fd 1) goes to
+    # stderr, and the real stdout is restored only for the document.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        status = _cmd_envs(args)
+        sys.stdout.flush()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(args.rows, indent=2))
+    return status
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
     from evertrain.envs import registry
     from evertrain.envs.quality import validate
 
     rows = []
-    for name in registry.names(include_rg=True):
+    failed = 0
+    names = registry.names(include_rg=True)
+    for wanted in args.env or []:
+        registry.check_name(wanted)
+    for name in (args.env or names):
         env = registry.get(name)
         try:
             count = env.count("train")
@@ -147,15 +174,25 @@ def cmd_envs(args: argparse.Namespace) -> int:
             problems = f"needs options ({error})"
         else:
             problems = "generated" if count is None else f"{count} train / {held} eval"
-        row = {"name": name, "kind": env.kind, "source": env.source, "problems": problems,
-               "tools": sorted(env.tools), "max_turns": env.max_turns}
+        row: dict[str, Any] = {"name": name, "kind": env.kind, "source": env.source, "problems": problems,
+                               "tools": sorted(env.tools), "max_turns": env.max_turns}
         if args.validate:
-            report = validate(env, problems=args.validate)
-            row["validation"] = "ok" if report.ok else "; ".join(report.failures[:3]) or "no problems to check"
+            # progress goes to stderr, always: with --json, stdout carries the JSON document alone
+            print(f"self-test {name} ...", end="", file=sys.stderr, flush=True)
+            if problems.startswith("needs options"):
+                row["validation"] = "skipped: " + problems
+                row["selftest"] = {"env": name, "ok": None, "status": "skipped", "reason": problems}
+            else:
+                report = validate(env, problems=args.validate)
+                failed += not report.ok
+                row["validation"] = "ok" if report.ok else "FAILED: " + (
+                    "; ".join(report.failures[:3]) or "no problems to check")
+                row["selftest"] = report.as_dict(cases=args.cases)
+            print(f" {row['selftest']['status']}", file=sys.stderr, flush=True)
         rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
+        args.rows = rows  # printed by cmd_envs, once stdout is stdout again
+        return 1 if failed else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -166,17 +203,20 @@ def cmd_envs(args: argparse.Namespace) -> int:
     for row in rows:
         table.add_row(*[", ".join(row[c]) if isinstance(row[c], list) else str(row[c]) for c in columns])
     Console().print(table)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store
-    from evertrain.report import champion_vs_base, iteration_report, render_table
+    from evertrain.report import champion_vs_base, format_versus, iteration_report, render_table, share_line
 
     store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
     rows = iteration_report(store, args.campaign)
     summary = champion_vs_base(store, args.campaign)
+    from evertrain.report import agent_metrics, format_agent, format_mix, mix_over_iterations
+
+    mix, agent = mix_over_iterations(store, args.campaign), agent_metrics(store, args.campaign)
     store.close()
     if not rows:
         print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
@@ -190,10 +230,77 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2, default=str))
     elif not args.html:
         render_table(rows, f"campaign {args.campaign}")
+        if share_line(rows):
+            print(share_line(rows))
         for s in summary:
-            print(f"{s['env']}: champion v{s['champion_version']} pass@1 {s['champion_pass1']:.3f} vs base "
-                  f"v{s['base_version']} {s['base_pass1']:.3f} on {s['problems']} held-out problems: gain "
-                  f"{s['gain']:+.3f} (95% CI [{s['gain_low']:+.3f}, {s['gain_high']:+.3f}])")
+            print(format_versus(s))
+        for line in format_agent(agent) + format_mix(mix):
+            print(line)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    """Read-only SQL on the store, also while a campaign writes it (DuckLake readers see the last commit)."""
+    import duckdb
+
+    from evertrain.config import PathsConfig
+    from evertrain.data.store import Store, StoreError
+
+    uri = args.store or (_config(args).paths.store if args.config else PathsConfig().store)
+    store = Store(uri, read_only=True)
+    try:
+        frame = store.query(args.query)
+    except duckdb.Error as error:
+        raise StoreError(f"query failed on {store.location.describe()}: {error}") from None
+    finally:
+        store.close()
+    if args.format == "csv":
+        print(frame.to_csv(index=False), end="")
+    elif args.format == "json":
+        print(frame.to_json(orient="records", date_format="iso", indent=2))
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.max_rows", args.max_rows, "display.max_columns", None,
+                               "display.width", 200, "display.max_colwidth", 60):
+            print(frame.to_string(index=False, max_rows=args.max_rows) if len(frame)
+                  else f"(no rows; columns: {', '.join(map(str, frame.columns))})")
+    return 0
+
+
+def cmd_services(args: argparse.Namespace) -> int:
+    from evertrain import services
+
+    if args.action == "start":
+        try:
+            info = services.start(Path(args.dir), host=args.host)
+        except services.ServiceError as error:
+            print(f"evertrain: error: {error}", file=sys.stderr)
+            return 2
+        print(services.describe(info))
+    elif args.action == "stop":
+        services.stop(Path(args.dir))
+        print(f"stopped the services under {args.dir}", file=sys.stderr)
+    else:
+        info = services.status(Path(args.dir))
+        print(services.describe(info) if info else f"no services running under {args.dir}")
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from evertrain.config import load_config
+    from evertrain.flows.deploy import deploy
+
+    if not os.environ.get("PREFECT_API_URL"):
+        print("evertrain: error: PREFECT_API_URL is not set: start the servers (`evertrain services start`, then "
+              "`source .services/env`) or point it at your Prefect server", file=sys.stderr)
+        return 2
+    configs = [load_config(path) for path in args.config]
+    for config, deployment_id in zip(configs, deploy(configs, pool=args.pool, interval=args.interval,
+                                                     cron=args.cron, iterations_per_run=args.iterations_per_run),
+                                     strict=True):
+        print(f"deployment evertrain-campaign/campaign-{config.name} ({deployment_id}) in work pool {args.pool!r}")
+    print(f"start a worker: prefect worker start --pool {args.pool}", file=sys.stderr)
     return 0
 
 
@@ -237,6 +344,56 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefect_ui_env(host: str, port: int) -> dict[str, str]:
+    """What the Prefect server needs so its UI (running in the browser) calls the API on the chosen port.
+
+    The UI asks for ``PREFECT_UI_API_URL``, which otherwise falls back to ``PREFECT_API_URL`` (often
+    http://127.0.0.1:4200/api from a profile or the environment): on any other port the UI then shows
+    "Can't connect to Server API". A wildcard host is reached from the browser as localhost.
+    """
+    reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    api = f"http://{reachable}:{port}/api"
+    return {"PREFECT_UI_API_URL": api, "PREFECT_API_URL": api, "PREFECT_UI_URL": f"http://{reachable}:{port}",
+            "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port)}
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from evertrain.export import export
+    from evertrain.runtime import get_runtime
+
+    result = export(get_runtime(config), Path(args.out), version=args.version, log_to_mlflow=not args.no_mlflow)
+    print(f"exported v{result['version']} of campaign {config.name!r} to {result['out']}: "
+          f"{', '.join(result['files'])}", file=sys.stderr)
+    if result["mlflow_model_uri"]:
+        print(f"MLflow model: {result['mlflow_model_uri']} (serve it: mlflow models serve -m "
+              f"{result['mlflow_model_uri']} --env-manager local)", file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from evertrain.config import PathsConfig
+    from evertrain.data.store import Store
+    from evertrain.report import render_rollouts, sample_rollouts
+
+    store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
+    try:
+        rows = sample_rollouts(store, args.campaign, args.iteration, env=args.env, per_env=args.limit)
+    finally:
+        store.close()
+    if not rows:
+        where = f" of environment {args.env!r}" if args.env else ""
+        print(f"campaign {args.campaign!r} has no rollouts{where} in iteration {args.iteration}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        render_rollouts(rows, f"campaign {args.campaign}, iteration {args.iteration}"
+                        + (f", {args.env}" if args.env else ""), prompt_chars=args.prompt_chars)
+    return 0
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     import signal
     import subprocess
@@ -247,9 +404,10 @@ def cmd_ui(args: argparse.Namespace) -> int:
     paths = PathsConfig()
     Path(paths.mlflow_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     bin_dir = Path(sys.executable).parent
+    prefect_env = {**os.environ, **prefect_ui_env(args.host, args.prefect_port)}
     procs = [
         subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", args.host,
-                          "--port", str(args.prefect_port)]),
+                          "--port", str(args.prefect_port)], env=prefect_env),
         subprocess.Popen([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", paths.mlflow_uri,
                           "--default-artifact-root", Path(paths.artifacts).resolve().as_uri(),
                           "--host", args.host, "--port", str(args.mlflow_port)]),
@@ -281,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     stage = sub.add_parser("stage", help="rerun one stage of one iteration (replaces that stage's rows)")
-    stage.add_argument("stage", choices=["curate", "rollout", "score", "update", "evaluate", "promote"])
+    stage.add_argument("stage", choices=["curate", "rollout", "score", "sft", "update", "evaluate", "promote"])
     stage.add_argument("--campaign", required=True)
     stage.add_argument("--iteration", type=int, required=True)
     stage.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
@@ -292,13 +450,16 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--input", required=True, help='JSONL: {"id", "env", "problem": {...}, "completion"}')
     score.add_argument("--output", required=True, help='JSONL: {"id", "reward", "passed", "reason", "detail"}')
     score.add_argument("--workers", type=int, help="parallel graders (default: one per core)")
-    score.add_argument("--store", help="DuckDB store for the sandbox audit rows (default data/evertrain.duckdb)")
+    score.add_argument("--store", help="store URI for the sandbox audit rows (default: the default store)")
     score.set_defaults(func=cmd_score)
 
     envs = sub.add_parser("envs", help="list every registered environment")
     envs.add_argument("--json", action="store_true", help="print JSON instead of a table")
     envs.add_argument("--validate", type=int, nargs="?", const=2, default=0, metavar="N",
-                      help="also validate each on N train and N eval problems (references earn 1, hacks 0)")
+                      help="also run each verifier's self-test on N train and N eval problems (known-good "
+                           "answers earn 1, a battery of known-bad ones exactly 0); exit status 1 if any fails")
+    envs.add_argument("--env", action="append", metavar="NAME", help="only this environment (repeatable)")
+    envs.add_argument("--cases", action="store_true", help="with --json --validate: every self-test case")
     envs.set_defaults(func=cmd_envs)
 
     report = sub.add_parser("report", help="the per-iteration table of a campaign")
@@ -306,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
     report.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with plots and tables")
     report.add_argument("--config", help="campaign TOML file whose paths.store to read")
-    report.add_argument("--store", help="DuckDB store (default data/evertrain.duckdb)")
+    report.add_argument("--store", help="store URI (default: $EVERTRAIN_STORE, else the DuckLake store under data/)")
     report.set_defaults(func=cmd_report)
 
     srv = sub.add_parser("serve", help="run campaigns on a schedule as Prefect deployments (one run at a time)")
@@ -327,6 +488,49 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--store", help="DuckDB store to find the campaign's config in")
     back.set_defaults(func=cmd_rollback)
 
+    sql = sub.add_parser("sql", help="run read-only SQL on the store (also while a campaign writes it)")
+    sql.add_argument("query", help='e.g. "SELECT iteration, avg(reward) FROM rollouts GROUP BY ALL ORDER BY ALL"')
+    sql.add_argument("--store", help="store URI (default: $EVERTRAIN_STORE, else the DuckLake store under data/)")
+    sql.add_argument("--config", help="campaign TOML file whose paths.store to read")
+    sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    sql.add_argument("--max-rows", type=int, default=100, help="rows shown in table format (default 100)")
+    sql.set_defaults(func=cmd_sql)
+
+    svc = sub.add_parser("services", help="PostgreSQL, a Prefect server and an MLflow server on it, on this machine")
+    svc.add_argument("action", choices=["start", "stop", "status"])
+    svc.add_argument("--dir", default=str(PROJECT_ROOT / ".services"), help="state folder (default .services/)")
+    svc.add_argument("--host", default="127.0.0.1", help="address the servers listen on (default 127.0.0.1)")
+    svc.set_defaults(func=cmd_services)
+
+    dep = sub.add_parser("deploy", help="register campaign deployments (with schedules) in a Prefect work pool")
+    dep.add_argument("--config", action="append", required=True, help="campaign TOML file (repeatable)")
+    dep.add_argument("--pool", default="evertrain", help="work pool (created as a process pool if missing)")
+    dep_when = dep.add_mutually_exclusive_group()
+    dep_when.add_argument("--interval", type=float, help="seconds between scheduled runs")
+    dep_when.add_argument("--cron", help="cron schedule, e.g. '0 */6 * * *'")
+    dep.add_argument("--iterations-per-run", type=int, default=1, help="iterations per run (default 1)")
+    dep.set_defaults(func=cmd_deploy)
+
+    exp = sub.add_parser("export", help="write a model version as a plain Hugging Face folder (+ MLflow model, card)")
+    exp.add_argument("out", help="output folder (new or empty)")
+    exp.add_argument("--campaign", required=True)
+    exp.add_argument("--version", type=int, help="model version (default: the champion)")
+    exp.add_argument("--no-mlflow", action="store_true", help="do not log the model to MLflow")
+    exp.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
+    exp.add_argument("--store", help="store to find the campaign's config in")
+    exp.set_defaults(func=cmd_export)
+
+    show = sub.add_parser("show", help="print an iteration's rollouts with their turns")
+    show.add_argument("--campaign", required=True)
+    show.add_argument("--iteration", type=int, required=True)
+    show.add_argument("--env", help="only this environment")
+    show.add_argument("--limit", type=int, default=4, help="rollouts per environment (default 4)")
+    show.add_argument("--prompt-chars", type=int, default=600, help="show the prompt's last N characters")
+    show.add_argument("--json", action="store_true", help="print JSON instead of panels")
+    show.add_argument("--config", help="campaign TOML file whose paths.store to read")
+    show.add_argument("--store", help="store (default: paths.store's default)")
+    show.set_defaults(func=cmd_show)
+
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--prefect-port", type=int, default=4200)
@@ -337,6 +541,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.func is cmd_sql:  # a quick look from another shell: no torch, transformers or Prefect imports
+        from evertrain.config import ConfigError
+        from evertrain.data.store import StoreError
+
+        try:
+            return cmd_sql(args)
+        except (ConfigError, StoreError) as error:
+            print(f"evertrain: error: {error}", file=sys.stderr)
+            return 2
     _environment()
     from evertrain.config import ConfigError
     from evertrain.data.store import StoreError

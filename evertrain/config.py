@@ -74,6 +74,9 @@ class EnvironmentSpec(_Strict):
     )
     eval_problems: int | None = Field(
         None, ge=1, description="Held-out problems of this environment (default: eval.problems_per_env).")
+    sealed_problems: int | None = Field(
+        None, ge=0, description="Problems of this environment's sealed test split, and as many of its transfer "
+        "split where it has one (default: eval.sealed_problems).")
 
 
 class CurationConfig(_Strict):
@@ -88,6 +91,35 @@ class CurationConfig(_Strict):
         10, ge=3, description="Drop a problem sharing a word n-gram of this length with any held-out problem.")
 
 
+class MixConfig(_Strict):
+    """The adaptive environment mix: each trained environment's share follows how learnable it is now."""
+
+    adaptive: bool = Field(
+        False, description="Re-weight the environments every iteration by learnability (false: fixed weights).")
+    window: int = Field(2, ge=1, description="Earlier iterations whose scored rollouts measure learnability.")
+    floor: float = Field(
+        0.1, ge=0, lt=1, description="Minimum share of every environment with weight > 0 (at most 1/their number).")
+
+
+DEFAULT_SFT_SELECT = (
+    "SELECT iteration, problem_id, sample FROM rollouts "
+    "WHERE campaign = $campaign AND iteration = $iteration AND passed")
+
+
+class SftConfig(_Strict):
+    """The optional SFT stage between score and update: supervised fine-tuning on selected trajectories."""
+
+    enabled: bool = Field(False, description="Run the sft stage before every update (tasks/sft.py).")
+    select: str = Field(
+        DEFAULT_SFT_SELECT, description="SQL over the store returning (iteration, problem_id, sample) of the "
+        "rollouts to imitate; $campaign and $iteration are bound. Default: this iteration's passed rollouts "
+        "(rejection-sampling fine-tuning).")
+    max_examples: int = Field(64, ge=1, description="At most this many selected trajectories (one per group first).")
+    learning_rate: float = Field(1e-4, gt=0, description="SFT learning rate (TRL SFTTrainer, LoRA on the trainee).")
+    epochs: int = Field(1, ge=1, le=20, description="Passes over the selected trajectories.")
+    batch_size: int = Field(8, ge=1, description="Sequences per SFT step.")
+
+
 class GenerationConfig(_Strict):
     """How rollouts are sampled."""
 
@@ -95,6 +127,24 @@ class GenerationConfig(_Strict):
     temperature: float = Field(0.8, gt=0, le=5, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 keeps the whole distribution.")
     batch_size: int = Field(64, ge=1, description="Sequences decoded together in one batch.")
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="Who samples rollouts and evaluations: 'hf' (the in-house sampler, faster on the "
+        "2-core CPU measured here), 'vllm' (a long-lived vLLM engine process), 'auto' (vllm on a CUDA device when "
+        "generation.vllm_python exists, else hf).")
+    vllm_python: str = Field(
+        ".venv-vllm/bin/python", description="The interpreter that runs the vLLM engine (vLLM cannot share the "
+        "project's environment); relative paths are taken from the working directory, then the repository.")
+    vllm_enforce_eager: bool = Field(
+        True, description="Skip vLLM's graph compilation: 26 s instead of 77 s to start on the CPU measured here.")
+    vllm_max_model_len: int = Field(4096, ge=64, description="Longest prompt plus completion the engine serves.")
+    vllm_block_size: int | None = Field(
+        32, ge=1, description="KV-cache block size (prefix caching shares whole blocks); None: vLLM's default.")
+    vllm_kv_cache_gib: float | None = Field(
+        1.0, gt=0, description="Memory for vLLM's KV cache, in GiB. Set it on a CPU: there vLLM otherwise reserves "
+        "vllm_gpu_memory_utilization of the machine's RAM. None: vLLM sizes it from vllm_gpu_memory_utilization.")
+    vllm_gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Share of GPU memory vLLM may take (None: vLLM's default, 0.9); leave room "
+        "for the update when both share one GPU.")
 
 
 class LoraConfig(_Strict):
@@ -121,15 +171,33 @@ class UpdateConfig(_Strict):
     minibatch_size: int = Field(32, ge=1, description="Completions per optimizer step.")
     microbatch_size: int = Field(16, ge=1, description="Completions per forward/backward pass.")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip below 1 (epsilon_low).")
-    clip_high: float = Field(0.2, gt=0, description="PPO ratio clip above 1 (DAPO uses 0.28).")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the champion (0 turns it off).")
+    clip_high: float | None = Field(
+        None, gt=0, description="PPO ratio clip above 1 (default: 0.28 for dapo, its clip-higher; else clip_low).")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference (0 turns it off).")
+    kl_reference: Literal["champion", "base"] = Field(
+        "champion", description="The KL penalty's reference: the current champion or the base model.")
+    overlong: Literal["keep", "mask", "penalty"] | None = Field(
+        None, description="Completions cut by the token limit: 'mask' leaves them out of the loss, 'penalty' "
+        "gives them reward -1 in their group, 'keep' trains on them as scored (default: mask for dapo, else keep).")
     max_grad_norm: float = Field(1.0, gt=0)
     skip_zero_variance: bool = Field(True, description="Do not train on groups whose rewards all agree.")
     max_staleness: int = Field(
         0, ge=0, le=16, description="Largest policy-version lag of a rollout that may be trained on.")
     replay: bool = Field(
         False, description="Also train on earlier iterations' rollouts within max_staleness (a replay buffer).")
-    is_cap: float = Field(2.0, ge=1, description="Truncation of the importance weights of stale rollouts.")
+    is_cap: float = Field(
+        2.0, ge=1, description="Truncation of the importance weights pi_trainer / pi_sampler (every rollout: "
+        "stale ones, and fresh ones whose sampler is not the trainer, e.g. vLLM or bfloat16 sampling).")
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="The update's forward and backward: 'bfloat16' autocast (the loss, log-probs and "
+        "optimizer state stay float32), 'float32', or 'auto': bfloat16 on a CUDA device that supports it, else "
+        "float32 (on this CPU bfloat16 is faster but the demo was tuned in float32).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass instead of keeping them (less memory, "
+        "about a third more compute; completions then run with their whole prompt, not a shared prefix cache).")
+    logprob_chunk: int | None = Field(
+        512, ge=1, description="Completion positions whose vocabulary-wide logits exist at once when computing "
+        "log-probs (recomputed in the backward pass); None: all at once.")
     mode: Literal["sync", "async"] = Field(
         "sync", description="async: the next iteration's rollouts are sampled while this one's update runs "
         "(needs max_staleness >= 1).")
@@ -144,6 +212,20 @@ class UpdateConfig(_Strict):
             raise ValueError("update.replay reuses older rollouts: set max_staleness >= 1")
         return self
 
+    @property
+    def clip_upper(self) -> float:
+        """The ratio clip above 1: set, else DAPO's clip-higher 0.28, else symmetric with clip_low."""
+        if self.clip_high is not None:
+            return self.clip_high
+        return 0.28 if self.algorithm == "dapo" else self.clip_low
+
+    @property
+    def overlong_rule(self) -> str:
+        """What happens to a completion cut by the token limit (DAPO masks it by default)."""
+        if self.overlong is not None:
+            return self.overlong
+        return "mask" if self.algorithm == "dapo" else "keep"
+
 
 class EvalConfig(_Strict):
     """Held-out evaluation of challenger and champion on the same problems."""
@@ -156,7 +238,17 @@ class EvalConfig(_Strict):
     looks: int = Field(
         4, ge=1, le=20, description="The challenger is evaluated in this many slices (each a share of every "
         "environment's held-out problems); after each but the last the gate may stop a challenger that is clearly "
-        "not better (promotion.futility). 1: always evaluate everything.")
+        "not better (promotion.futility), or clearly better (promotion.efficacy). 1: always evaluate everything.")
+    every: int = Field(
+        1, ge=1, le=100, description="Evaluate (and gate) every k-th update: iterations whose number + 1 is not a "
+        "multiple of k skip evaluate and promote, and their challenger stays the trainee.")
+    zero_recheck: int = Field(
+        4, ge=1, le=100, description="An environment on which the champion scored 0 cannot regress: the "
+        "challenger is evaluated on it only every this many iterations (1: every iteration).")
+    sealed_problems: int = Field(
+        0, ge=0, description="Problems per environment measured from its sealed test split (and as many from its "
+        "transfer split): neither curation nor the gate sees them; the base model and every new champion are "
+        "measured on them after promotion (0: not measured; the demo measures 100).")
 
 
 class PromotionConfig(_Strict):
@@ -171,6 +263,10 @@ class PromotionConfig(_Strict):
     reset_after_failures: int = Field(
         0, ge=0, description="Reset the trainee to the champion after this many failed gates in a row (0: never)."
     )
+    efficacy: bool = Field(
+        True, description="Stop a challenger's evaluation at an interim look (eval.looks) and promote it when its "
+        "gain crosses a group-sequential boundary (O'Brien-Fleming-type alpha spending of 1 - confidence across "
+        "the looks, so early stopping does not raise the chance of promoting a challenger that is not better).")
     futility: float = Field(
         0.05, ge=0, lt=1, description="Stop evaluating a challenger at an interim look (eval.looks) when "
         "P(not worse) on the problems so far is below this, and keep the champion (0: never stop early). Stopping "
@@ -194,11 +290,56 @@ class PricesConfig(_Strict):
         0.0, ge=0, description="$ per million prompt tokens served from the prefix cache.")
 
 
+class ClusterConfig(_Strict):
+    """Where rollouts, grading and evaluation run: the flow's own process, or Ray workers."""
+
+    address: str = Field(
+        "none", description="'none': everything in the flow's process; 'local': start a Ray cluster on this "
+        "machine; anything else: the address of a running Ray cluster ('auto', 'ray://host:10001', 'host:6379').")
+    workers: int = Field(2, ge=1, le=4096, description="Rollout worker actors, each holding one sampler.")
+    cpus_per_worker: float = Field(
+        1.0, gt=0, description="CPUs each rollout worker reserves (its torch threads: at least 1).")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs each rollout worker reserves (fractions share one).")
+    grade_cpus: float = Field(
+        0.5, gt=0, description="CPUs each grading task reserves (its sandboxed subprocesses run within them).")
+    num_cpus: int | None = Field(
+        None, ge=1, description="'local' only: CPUs the local cluster offers (default: every core here).")
+    max_worker_restarts: int = Field(
+        3, ge=0, description="A worker that dies is replaced and its groups redone, at most this many times "
+        "per stage; then the stage fails.")
+
+    @field_validator("address")
+    @classmethod
+    def _address_ok(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("cluster.address is empty: use 'none', 'local' or a Ray cluster address")
+        return value.strip()
+
+    @property
+    def enabled(self) -> bool:
+        return self.address != "none"
+
+
+class RetentionConfig(_Strict):
+    """Which checkpoints stay on disk and in MLflow's artifacts (a full SmolLM2 copy is 540 MB)."""
+
+    keep_challengers: int | None = Field(
+        5, ge=0, description="Keep the last K challengers besides the champion, the previous champion, the "
+        "challenger alias and the trainee (with its parents within update.max_staleness); delete the other "
+        "versions' checkpoints from disk and MLflow after each promote. None: keep every version.")
+
+
 class PathsConfig(_Strict):
     """Where state lives. Relative paths are resolved against the working directory."""
 
-    store: str = Field("data/evertrain.duckdb", description="The DuckDB trajectory store.")
-    mlflow_uri: str = Field("sqlite:///mlflow/mlflow.db", description="MLflow tracking and registry URI.")
+    store: str = Field(
+        default_factory=lambda: os.environ.get("EVERTRAIN_STORE", "ducklake:sqlite:data/evertrain.sqlite"),
+        description="The trajectory store's URI (default: $EVERTRAIN_STORE, else DuckLake on a SQLite catalog "
+        "with Parquet data in data/evertrain.files/; 'ducklake:postgres:<conninfo>?data_path=<shared folder>' "
+        "for a team; a plain path: one DuckDB file).")
+    mlflow_uri: str = Field(
+        default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow/mlflow.db"),
+        description="MLflow tracking and registry URI (default: $MLFLOW_TRACKING_URI, else a SQLite file).")
     artifacts: str = Field("mlflow/artifacts", description="MLflow artifact root (checkpoints).")
     checkpoints: str = Field("state/checkpoints", description="Local working copies of trainee checkpoints.")
 
@@ -214,14 +355,18 @@ class CampaignConfig(_Strict):
     )
     problems_per_iteration: int = Field(16, ge=1, description="Problems curated per iteration.")
     curation: CurationConfig = Field(default_factory=CurationConfig)
+    mix: MixConfig = Field(default_factory=MixConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
     group_size: int = Field(8, ge=2, description="G: samples per problem; GRPO compares within a group.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     update: UpdateConfig = Field(default_factory=UpdateConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
     prices: PricesConfig = Field(default_factory=PricesConfig)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @field_validator("name")
     @classmethod
@@ -251,6 +396,13 @@ class CampaignConfig(_Strict):
             return spec.eval_problems
         return self.eval.problems_per_env
 
+    def sealed_size(self, env: str) -> int:
+        """How many problems of ``env``'s sealed test split (and of its transfer split) are measured."""
+        spec = next((s for s in self.environments if s.name == env), None)
+        if spec is not None and spec.sealed_problems is not None:
+            return spec.sealed_problems
+        return self.eval.sealed_problems
+
     def max_new_tokens(self, env: str, evaluation: bool = False) -> int:
         """The completion length limit for ``env`` (its own, else the eval or generation default)."""
         spec = next((s for s in self.environments if s.name == env), None)
@@ -264,7 +416,11 @@ class CampaignConfig(_Strict):
         """A copy whose relative paths are made absolute (for runs started from another directory)."""
         data = self.model_dump()
         for key, value in data["paths"].items():
-            if key == "mlflow_uri":
+            if key == "store":
+                from evertrain.data.store import resolve_uri
+
+                data["paths"][key] = resolve_uri(value)
+            elif key == "mlflow_uri":
                 if value.startswith("sqlite:///") and not value.startswith("sqlite:////"):
                     data["paths"][key] = f"sqlite:///{Path(value.removeprefix('sqlite:///')).resolve()}"
             else:

@@ -79,7 +79,8 @@ def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dic
         ("iteration", "iteration"), ("status", "status"), ("mean_reward", "mean reward"),
         ("zero_variance_share", "zero-variance groups"), ("pass1_challenger", "challenger pass@1"),
         ("pass1_champion", "champion pass@1"), ("challenger_version", "challenger"), ("promoted", "promoted"),
-        ("wall_s", "wall s"), ("cpu_s", "CPU s"), ("gpu_s", "GPU s"), ("tokens", "tokens"),
+        ("wall_s", "wall s"), ("eval_share", "evaluation share"), ("cpu_s", "CPU s"), ("gpu_s", "GPU s"),
+        ("tokens", "tokens"),
         ("cached_prompt_tokens", "prompt tokens from cache"), ("dollars", "$"),
         ("points_gained_total", "points gained (total)"), ("points_per_dollar_total", "points per $ (total)")])
     envs = sorted({env for r in rows for env in (r.get("pass1_by_env") or {})})
@@ -92,9 +93,10 @@ def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dic
                       [("iteration", "iteration")] + [(rule, f"dropped: {rule}") for rule in dropped]
                       + [("zv", "zero-variance share"), ("zv_est", "zero-variance share without difficulty filter")])
     versus = _table(versus_base or [], [
-        ("env", "environment"), ("problems", "held-out problems"), ("base_version", "base"),
+        ("env", "environment"), ("split", "split"), ("problems", "problems"), ("base_version", "base"),
         ("base_pass1", "base pass@1"), ("champion_version", "champion"), ("champion_pass1", "champion pass@1"),
-        ("gain", "gain"), ("gain_low", "95% CI low"), ("gain_high", "95% CI high")])
+        ("gain", "gain"), ("gain_low", "95% CI low"), ("gain_high", "95% CI high"),
+        ("gate_optimism", "gate gain minus sealed gain")])
     decisions = "".join(f"<li><b>iteration {r['iteration']}</b>: {html.escape(r.get('promotion_reason') or '-')}</li>"
                         for r in rows)
     style = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"

@@ -11,9 +11,38 @@ COLUMNS = [
     ("iteration", "iter"), ("mean_reward", "mean reward"), ("zero_variance_share", "zero-var groups"),
     ("gate_challenger_pass1", "challenger pass@1"), ("gate_champion_pass1", "champion pass@1"),
     ("challenger_eval_share", "share evaluated"),
-    ("challenger_version", "challenger"), ("promoted", "promoted"), ("wall_s", "wall s"), ("cpu_s", "cpu s"),
-    ("tokens", "tokens"), ("dollars", "$"),
+    ("challenger_version", "challenger"), ("promoted", "promoted"), ("wall_s", "wall s"),
+    ("eval_share", "eval share"), ("cpu_s", "cpu s"), ("tokens", "tokens"), ("dollars", "$"),
 ]
+
+SPLIT_LABELS = {
+    "gate": "gate's held-out set, seen at every promotion",
+    "test": "sealed test split, never seen by curation or the gate",
+    "transfer": "sealed transfer split: phrasings and operators never trained on, no worked examples",
+}
+
+
+def evaluation_seconds(stage_wall: dict[str, Any], metrics: dict[str, dict[str, Any]]) -> tuple[float, float]:
+    """Wall seconds an iteration spent on the gate's evaluation, and on measuring the sealed splits."""
+    return (float(stage_wall.get("evaluate") or 0),
+            float(metrics.get("promote", {}).get("sealed_s", 0) or 0))
+
+
+def evaluation_share(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """Shares of all stage wall time the rows spent on the gate's evaluation and on the sealed splits."""
+    total = sum(r["wall_s"] for r in rows)
+    if not total:
+        return None
+    return sum(r["eval_s"] for r in rows) / total, sum(r["sealed_s"] for r in rows) / total
+
+
+def share_line(rows: list[dict[str, Any]]) -> str | None:
+    """The run's evaluation cost in one line: the gate, and the sealed measurement beside it."""
+    shares = evaluation_share(rows)
+    if shares is None:
+        return None
+    return (f"the gate's evaluation took {shares[0]:.0%} of the stages' wall time, measuring the sealed splits "
+            f"{shares[1]:.0%}")
 
 
 def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
@@ -30,13 +59,19 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
         curate, rollout, score = metrics.get("curate", {}), metrics.get("rollout", {}), metrics.get("score", {})
         evaluate, update = metrics.get("evaluate", {}), metrics.get("update", {})
         decision = promotions.loc[iteration] if iteration in promotions.index else None
+        skipped = metrics.get("promote", {}).get("skipped") or evaluate.get("skipped")
+        wall = float(group["wall_s"].fillna(0).sum())
+        eval_s, sealed_s = evaluation_seconds({row.stage: row.wall_s for row in group.itertuples(index=False)},
+                                              metrics)
         tokens = sum(int(m.get(k, 0) or 0) for m in (rollout,)
                      for k in ("prompt_tokens", "completion_tokens"))
         tokens += int(evaluate.get("challenger_completion_tokens", 0) or 0)
         tokens += int(evaluate.get("champion_completion_tokens", 0) or 0)
         rows.append({
             "iteration": int(iteration),
-            "status": "completed" if len(status) == 6 and set(status.values()) == {"completed"} else
+            # the six stages; an optional one (sft) may be there too
+            "status": "completed" if all(status.get(s) == "completed" for s in
+                                         ("curate", "rollout", "score", "update", "evaluate", "promote")) else
             ", ".join(f"{k}:{v}" for k, v in status.items() if v != "completed") or "partial",
             "mean_reward": score.get("mean_reward"),
             "zero_variance_share": score.get("zero_variance_share"),
@@ -51,13 +86,13 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "challenger_version": update.get("challenger_version"),
             "champion_version": None if decision is None else int(decision["champion_version"]),
             "promoted": None if decision is None else bool(decision["promoted"]),
-            "promotion_reason": None if decision is None else decision["reason"],
+            "promotion_reason": skipped if decision is None else decision["reason"],
             # what the gate compared: both on the same problems (a share of them where it stopped early)
             "gate_challenger_pass1": evaluate.get("pass1_challenger") if decision is None
             else float(decision["challenger_pass1"]),
             "gate_champion_pass1": evaluate.get("pass1_champion") if decision is None
             else float(decision["champion_pass1"]),
-            "wall_s": float(group["wall_s"].fillna(0).sum()),
+            "wall_s": wall, "eval_s": eval_s, "sealed_s": sealed_s, "eval_share": eval_s / wall if wall else None,
             "cpu_s": float(group["cpu_s"].fillna(0).sum()),
             "tokens": tokens,
             "trained_sequences": update.get("trained_sequences"),
@@ -128,8 +163,10 @@ def current_champion(store: Store, campaign: str) -> int | None:
 
 
 def champion_vs_base(store: Store, campaign: str, samples: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
-    """Per environment: held-out pass@1 of the base model and of the current champion on the same problems,
-    and the gain with a 95% paired bootstrap interval."""
+    """Per environment and split: pass@1 of the base model and of the current champion on the same problems,
+    and the gain with a 95% paired bootstrap interval. Splits: ``gate`` (what every promotion looked at),
+    and the sealed ``test`` and ``transfer`` splits (measured after promotions, never looked at by one);
+    the gate's gain above the sealed test gain shows how far the gate's repeated use flatters it."""
     import numpy as np
 
     champion = current_champion(store, campaign)
@@ -137,19 +174,144 @@ def champion_vs_base(store: Store, campaign: str, samples: int = 2000, seed: int
     if champion is None or base is None:
         return []
     frame = store.query(
-        """SELECT model_version, env, problem_id, any_value(reward) AS reward FROM evals
-           WHERE campaign = ? AND sample = 0 AND model_version IN (?, ?) GROUP BY ALL""",
+        """SELECT model_version, env, coalesce(split, 'gate') AS split, problem_id, any_value(reward) AS reward
+           FROM evals WHERE campaign = ? AND sample = 0 AND model_version IN (?, ?) GROUP BY ALL""",
         [campaign, int(base), champion])
     rows = []
     rng = np.random.default_rng(seed)
-    for env, part in frame.groupby("env"):
+    order = {split: i for i, split in enumerate(SPLIT_LABELS)}
+    groups = sorted(frame.groupby(["env", "split"]), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9)))
+    for (env, split), part in groups:
         paired = part.pivot_table(index="problem_id", columns="model_version", values="reward").dropna()
         if paired.empty or champion not in paired or int(base) not in paired:
             continue
         diff = (paired[champion] - paired[int(base)]).to_numpy()
         boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
-        rows.append({"env": env, "problems": len(diff), "base_version": int(base), "champion_version": champion,
-                     "base_pass1": float(paired[int(base)].mean()), "champion_pass1": float(paired[champion].mean()),
+        rows.append({"env": env, "split": split, "problems": len(diff), "base_version": int(base),
+                     "champion_version": champion, "base_pass1": float(paired[int(base)].mean()),
+                     "champion_pass1": float(paired[champion].mean()),
                      "gain": float(diff.mean()), "gain_low": float(np.quantile(boot, 0.025)),
                      "gain_high": float(np.quantile(boot, 0.975))})
+    gate = {r["env"]: r["gain"] for r in rows if r["split"] == "gate"}
+    for row in rows:
+        if row["split"] == "test" and row["env"] in gate:
+            row["gate_optimism"] = gate[row["env"]] - row["gain"]
     return rows
+
+
+def format_versus(s: dict[str, Any]) -> str:
+    """One champion-vs-base line, naming the split it was measured on."""
+    split = s.get("split", "gate")
+    line = (f"{s['env']} [{split}]: champion v{s['champion_version']} pass@1 {s['champion_pass1']:.3f} vs base "
+            f"v{s['base_version']} {s['base_pass1']:.3f} on {s['problems']} problems "
+            f"({SPLIT_LABELS.get(split, split)}): gain {s['gain']:+.3f} "
+            f"(95% CI [{s['gain_low']:+.3f}, {s['gain_high']:+.3f}])")
+    if "gate_optimism" in s:
+        line += f"; the gate's gain exceeds this by {s['gate_optimism']:+.3f}"
+    return line
+
+
+def sample_rollouts(store: Store, campaign: str, iteration: int, env: str | None = None,
+                    per_env: int = 4) -> list[dict[str, Any]]:
+    """Up to ``per_env`` scored rollouts of each environment of ``iteration`` (a passed one first where there
+    is one), with their turns parsed: what `evertrain show` prints and what MLflow gets as a table."""
+    frame = store.query(
+        """SELECT env, problem_id, sample, policy_version, prompt_text, turns, completion, reward, passed, reason,
+                  finish_reason FROM (
+               SELECT *, row_number() OVER (PARTITION BY env ORDER BY passed DESC NULLS LAST, problem_id, sample)
+                   AS pick
+               FROM rollouts WHERE campaign = ? AND iteration = ? AND (? IS NULL OR env = ?))
+           WHERE pick <= ? ORDER BY env, pick""",
+        [campaign, iteration, env, env, per_env])
+    rows = frame.to_dict("records")
+    for row in rows:
+        row["turns"] = json.loads(row["turns"]) if isinstance(row["turns"], str) and row["turns"] else []
+    return rows
+
+
+def render_rollouts(rows: list[dict[str, Any]], title: str, prompt_chars: int = 600) -> None:
+    """Print rollouts as panels: the prompt's tail, every turn (tool calls and their output), the verdict."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.text import Text
+
+    console = Console()
+    if not console.is_terminal:  # piped or captured: never cut a problem id or a turn to fit 80 columns
+        console = Console(width=max(console.width, 160))
+    console.rule(title)
+    for row in rows:
+        body = Text()
+        prompt = str(row.get("prompt_text") or "")
+        body.append(("…" if len(prompt) > prompt_chars else "") + prompt[-prompt_chars:] + "\n", style="dim")
+        turns = row.get("turns") or [{"role": "assistant", "content": row.get("completion") or ""}]
+        for number, turn in enumerate(turns, 1):
+            if turn.get("role") == "tool":
+                call = f"{turn.get('name', 'tool')}({json.dumps(turn.get('input'), default=str)})"
+                body.append(f"[{number}] tool {call}\n", style="bold cyan")
+                body.append(f"{turn.get('output', turn.get('content', ''))}\n", style="cyan")
+            else:
+                body.append(f"[{number}] assistant\n", style="bold green")
+                body.append(f"{turn.get('content', '')}\n")
+        verdict = f"reward {row.get('reward')} · {row.get('reason')} · finish {row.get('finish_reason')}"
+        console.print(Panel(body, title=f"{row['env']} · {row['problem_id']} · sample {row['sample']}",
+                            subtitle=verdict))
+
+
+def mix_over_iterations(store: Store, campaign: str) -> list[dict[str, Any]]:
+    """The adaptive mix of every iteration (the store's ``mix`` table): per environment its share, problems,
+    recent pass rate, informative-group share and learnability. Empty when the mix is not adaptive."""
+    try:
+        frame = store.query(
+            """SELECT iteration, env, share, problems, pass_rate, informative_share, learnability, reason
+               FROM mix WHERE campaign = ? ORDER BY iteration, env""", [campaign])
+    except Exception:  # a store made before the mix table existed
+        return []
+    return frame.to_dict("records")
+
+
+def format_mix(rows: list[dict[str, Any]]) -> list[str]:
+    """The mix over iterations as text lines: one per iteration, each environment's share and problems."""
+    lines: dict[int, list[str]] = {}
+    for row in rows:
+        learn = row.get("learnability")
+        lines.setdefault(int(row["iteration"]), []).append(
+            f"{row['env']} {row['share']:.2f} ({int(row['problems'])}, learnability "
+            f"{'-' if learn is None else f'{learn:.2f}'})")
+    return [f"mix i={iteration}: " + ", ".join(parts) for iteration, parts in sorted(lines.items())]
+
+
+def agent_metrics(store: Store, campaign: str) -> list[dict[str, Any]]:
+    """Per tool-using environment, base against current champion on the gate's held-out problems (greedy):
+    pass@1, the share of episodes that called a tool, assistant turns per solved problem, and rework (tool
+    calls made after an earlier call failed), per episode."""
+    champion = current_champion(store, campaign)
+    base = store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [campaign])
+    if champion is None or base is None:
+        return []
+    frame = store.query(
+        """SELECT model_version, env, problem_id, any_value(reward) AS reward, any_value(passed) AS passed,
+                  any_value(tool_calls) AS tool_calls, any_value(rework) AS rework,
+                  any_value(turns) AS turns
+           FROM evals WHERE campaign = ? AND sample = 0 AND coalesce(split, 'gate') = 'gate'
+             AND model_version IN (?, ?) GROUP BY ALL""",
+        [campaign, int(base), champion])
+    out = []
+    with_tools = {env for env, part in frame.groupby("env") if (part["tool_calls"].fillna(0) > 0).any()}
+    for (env, version), part in frame.groupby(["env", "model_version"], sort=True):
+        if env not in with_tools:
+            continue  # no tool call by either version: not an agentic environment
+        solved = part[part["passed"].fillna(False).astype(bool)]
+        turns = [sum(1 for t in json.loads(x or "[]") if t.get("role") == "assistant") for x in solved["turns"]]
+        out.append({"env": env, "version": int(version), "role": "champion" if version == champion else "base",
+                    "problems": len(part), "pass1": float(part["reward"].mean()),
+                    "tool_call_rate": float((part["tool_calls"].fillna(0) > 0).mean()),
+                    "turns_per_solved": sum(turns) / len(turns) if turns else None,
+                    "rework": float(part["rework"].fillna(0).mean())})
+    return out
+
+
+def format_agent(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"{r['env']} {r['role']} v{r['version']}: pass@1 {r['pass1']:.3f}, tool-call rate "
+            f"{r['tool_call_rate']:.3f}, turns per solved problem "
+            f"{'-' if r['turns_per_solved'] is None else format(r['turns_per_solved'], '.2f')}, rework "
+            f"{r['rework']:.3f} per episode, on {r['problems']} held-out problems" for r in rows]

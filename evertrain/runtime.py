@@ -81,11 +81,24 @@ class Runtime:
     def checkpoint_dir(self, iteration: int) -> Path:
         return Path(self.config.paths.checkpoints).resolve() / self.campaign / f"iteration-{iteration}"
 
+    def checkpoints_root(self) -> Path:
+        return Path(self.config.paths.checkpoints).resolve()
+
+    def stored_path(self, checkpoint: Path) -> str:
+        """How ``model_versions.path`` names ``checkpoint``: relative to the checkpoints folder, so the
+        state can be moved or copied elsewhere and still resolve."""
+        from evertrain.portable import portable
+
+        return portable(checkpoint, self.checkpoints_root())
+
     def checkpoint(self, version: int) -> Path:
         """A local folder holding model version ``version`` (the working copy, else MLflow's artifacts)."""
+        from evertrain.portable import resolve_under
+
         row = self.store.model_version(self.campaign, version)
-        path = Path(row["path"])
-        if path.exists():
+        stored = row["path"] if isinstance(row["path"], str) else ""
+        path = resolve_under(stored, self.checkpoints_root()) if stored else None
+        if path is not None and path.exists():
             return path
         return self.tracker.download(version)
 
@@ -109,10 +122,12 @@ class Runtime:
         """
         import json
 
-        from evertrain.envs.quality import validate
+        from evertrain.envs.quality import SELFTEST_VERSION, validate
 
         for spec in self.config.environments:
-            options = json.dumps(spec.options, sort_keys=True)
+            # the self-test's version is part of the key: a cached verdict of an older battery (or of
+            # verifiers since fixed) is not trusted, the environment is tested again
+            options = json.dumps({**spec.options, "selftest_version": SELFTEST_VERSION}, sort_keys=True)
             known = self.store.query("SELECT ok, failures FROM env_validations WHERE env = ? AND options = ?",
                                      [spec.name, options])
             if known.empty:
@@ -130,8 +145,8 @@ class Runtime:
                 ok, failures = bool(known["ok"].iloc[0]), json.loads(known["failures"].iloc[0])
             if not ok:
                 raise EnvironmentInvalid(
-                    f"environment {spec.name!r} failed validation, so the campaign will not train on it: "
-                    + "; ".join(failures[:5]))
+                    f"environment {spec.name!r} failed validation (its verifier self-test: `evertrain envs "
+                    f"--validate --env {spec.name}`), so the campaign will not train on it: " + "; ".join(failures[:5]))
 
     def ensure_started(self) -> None:
         """Register the base model as version 1 and first champion, and make it the trainee (once)."""
@@ -146,9 +161,10 @@ class Runtime:
             base_dir = write_base_checkpoint(self.checkpoint_dir(-1).with_name("base"), self.base_model)
             version = self.tracker.register(base_dir, run_id=None, iteration=None)
             self.tracker.set_alias("champion", version)
-            path = str(base_dir)
-        else:  # the store was reset but MLflow remembers: keep MLflow's champion
-            version, path = existing, str(self.tracker.download(existing))
+            path = self.stored_path(base_dir)
+        else:  # the store was reset but MLflow remembers: keep MLflow's champion (no working copy: an
+            # empty path makes checkpoint() fetch it from MLflow, wherever its artifacts are now)
+            version, path = existing, ""
         from evertrain.data.store import now
 
         self.store.replace("model_versions", {"campaign": self.campaign, "version": version}, [{
@@ -171,7 +187,10 @@ def get_runtime(config: CampaignConfig) -> Runtime:
             from evertrain.models.policy import set_threads
 
             set_threads(config.torch_threads)
-            _runtimes[key] = Runtime(config=config, store=open_store(config.paths.store), tracker=Tracker(config))
+            store = open_store(config.paths.store)
+            # one writer per campaign: many processes may share a DuckLake store, one run may write a campaign
+            store.claim(config.name)
+            _runtimes[key] = Runtime(config=config, store=store, tracker=Tracker(config))
         return _runtimes[key]
 
 

@@ -13,9 +13,16 @@ from typing import Any
 
 from evertrain.envs.base import Environment, Problem, Verdict
 
+# Completions longer than this are refused before any verifier reads them: every in-process grading step
+# (marker counting, answer extraction, number parsing) is linear in the completion and bounded by this,
+# so one item cannot hold the GIL long enough to make the sandboxed items graded beside it time out.
+MAX_COMPLETION_CHARS = 200_000
+
 
 def verify_safely(env: Environment, problem: Problem, completion: str) -> Verdict:
     """``env.verify``, with any exception turned into a zero reward that names it."""
+    if len(completion) > MAX_COMPLETION_CHARS:
+        return Verdict.fail("completion_too_long", chars=len(completion), limit=MAX_COMPLETION_CHARS)
     try:
         verdict = env.verify(problem, completion)
     except Exception as error:

@@ -34,15 +34,33 @@ class Tracker:
         self.config = config
         self.model_name = config.registered_model
         self.artifact_root = Path(config.paths.artifacts).resolve() / config.name
+        self.remote = uri.startswith(("http://", "https://"))
         experiment = self.client.get_experiment_by_name(config.experiment)
         if experiment is None:
             self.artifact_root.mkdir(parents=True, exist_ok=True)
+            # a tracking server stores artifacts at its own --artifacts-destination (mlflow-artifacts:/)
             self.experiment_id = self.client.create_experiment(
-                config.experiment, artifact_location=self.artifact_root.as_uri(),
+                config.experiment, artifact_location=None if self.remote else self.artifact_root.as_uri(),
                 tags={"evertrain.campaign": config.name},
             )
         else:
             self.experiment_id = experiment.experiment_id
+            self._follow_moved_artifacts(experiment.artifact_location)
+
+    def _follow_moved_artifacts(self, recorded: str) -> None:
+        """Point MLflow at this campaign's artifacts where they are now, if the state folder was moved or copied.
+
+        MLflow stores artifact locations as absolute URIs whatever it is given; after ``data/``, ``mlflow/``
+        and ``state/`` are copied elsewhere they would still name the old folder (and new versions would be
+        written there). Only a SQLite backend is rewritten, and only when the artifacts exist at the new root.
+        """
+        from evertrain.portable import rebase_mlflow_artifacts
+
+        current = self.artifact_root.as_uri()
+        uri = self.config.paths.mlflow_uri
+        if recorded.rstrip("/") == current or not uri.startswith("sqlite:///") or not self.artifact_root.exists():
+            return
+        rebase_mlflow_artifacts(Path(uri.removeprefix("sqlite:///")), recorded, current)
 
     # --- runs ------------------------------------------------------------------------------------
     def iteration_run(self, iteration: int, flow_run_id: str | None = None) -> tuple[str, str | None]:
@@ -89,6 +107,22 @@ class Tracker:
         if batch:
             self.client.log_batch(run_id, metrics=batch)
 
+    def log_rollouts(self, run_id: str, iteration: int, rows: list[dict[str, Any]]) -> str:
+        """A sample of the iteration's scored rollouts as an MLflow table (the run's Artifacts tab and
+        ``mlflow.load_table``): prompt, turns, completion, reward and the grader's reason."""
+        import json
+
+        import pandas as pd
+
+        frame = pd.DataFrame([{
+            "env": r["env"], "problem_id": r["problem_id"], "sample": int(r["sample"]),
+            "policy_version": int(r["policy_version"]), "prompt": r["prompt_text"],
+            "turns": json.dumps(r["turns"], default=str), "completion": r["completion"], "reward": r["reward"],
+            "passed": r["passed"], "reason": r["reason"], "finish_reason": r["finish_reason"]} for r in rows])
+        artifact = f"rollouts/iteration-{iteration}.json"
+        self.client.log_table(run_id, data=frame, artifact_file=artifact)
+        return artifact
+
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         for key, value in tags.items():
             self.client.set_tag(run_id, key, str(value))
@@ -106,10 +140,20 @@ class Tracker:
             )
 
     def register(self, checkpoint: Path, run_id: str | None, iteration: int | None,
-                 exclude: tuple[str, ...] = ("optimizer.pt",)) -> int:
-        """Log ``checkpoint`` as artifacts and register it as a new model version; returns the version."""
+                 exclude: tuple[str, ...] = ()) -> int:
+        """Log ``checkpoint`` as artifacts and register it as a new model version; returns the version.
+
+        The optimizer state (``optimizer.pt``) travels with the weights, so a version downloaded from
+        MLflow on another machine continues training with its AdamW moments instead of fresh ones.
+        """
         self.ensure_registered_model()
         name = f"iteration-{iteration}" if iteration is not None else "base"
+        if run_id is None and self.remote:
+            # a tracking server accepts no local path as a version's source: the base model's files go
+            # through the server too, as the artifacts of a run of their own
+            run_id = self.client.create_run(self.experiment_id, run_name="base-model",
+                                            tags={"evertrain.base": "true"}).info.run_id
+            self.client.set_terminated(run_id, "FINISHED")
         if run_id is not None:
             staging = checkpoint.with_name(checkpoint.name + ".mlflow")
             shutil.rmtree(staging, ignore_errors=True)

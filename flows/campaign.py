@@ -21,13 +21,15 @@ from evertrain.config import CampaignConfig
 from evertrain.runtime import Runtime, get_runtime
 from evertrain.tasks import STAGE_TASKS, STAGES
 
+COMPACT_EVERY = 5  # iterations between compactions of the store (measured: benchmarks/store.py)
+
 
 def next_iteration(rt: Runtime) -> int:
     """The first iteration with an unfinished stage (0 for a new campaign)."""
     frame = rt.store.query(
-        """SELECT iteration, count(*) FILTER (WHERE status = 'completed') AS done
+        """SELECT iteration, count(*) FILTER (WHERE status = 'completed' AND stage IN (SELECT unnest(?))) AS done
            FROM stage_runs WHERE campaign = ? GROUP BY iteration ORDER BY iteration""",
-        [rt.campaign],
+        [list(STAGES), rt.campaign],  # only the six stages count: an optional stage (sft) is not one of them
     )
     for row in frame.itertuples(index=False):
         if row.done < len(STAGES):
@@ -42,6 +44,10 @@ def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
     done = rt.store.stage_status(rt.campaign, iteration)
     metrics: dict[str, Any] = {}
     for stage in STAGES:
+        if stage == "update" and config.sft.enabled and done.get("sft") != "completed":
+            from evertrain.tasks.sft import sft_task  # the optional stage between score and update
+
+            metrics["sft"] = sft_task(config, iteration)
         if done.get(stage) == "completed":
             continue
         if stage == "update" and config.update.mode == "async":
@@ -65,4 +71,8 @@ def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list
         iteration = next_iteration(rt)
         iteration_flow(config, iteration)
         finished.append(iteration)
+        if (iteration + 1) % COMPACT_EVERY == 0:
+            # every stage write adds Parquet files to a DuckLake store: merge them so readers (and the
+            # next curate, which reads the whole pass-rate history) do not slow down as a campaign runs
+            rt.store.compact()
     return finished

@@ -3,13 +3,17 @@
 ``serve`` builds one Prefect deployment per campaign config, with an interval or cron schedule and a
 deployment concurrency limit of one (a run scheduled while the previous one still works waits in the
 queue), and serves them from this process. The Prefect UI shows each deployment with the campaign
-config as a typed form, so a person can trigger a run with changed settings. The store's own lock
-stays the last line of defence: a second process that tries to write the same DuckDB file is refused
+config as a typed form, so a person can trigger a run with changed settings. The store's per-campaign
+claim stays the last line of defence: a second process that tries to run the same campaign is refused
 with a clear message before it writes anything.
+
+``deploy`` registers the same deployments in a Prefect work pool instead, for workers to run
+(``prefect worker start --pool ...``), on this machine or any other that has evertrain installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -67,8 +71,8 @@ def build_deployment(config: CampaignConfig, *, interval: float | None = None, c
 
     from evertrain.flows.campaign import campaign_flow
 
-    if (interval is None) == (cron is None):
-        raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
+    if interval is not None and cron is not None:
+        raise ValueError("give one schedule: an interval in seconds or a cron expression, not both")
     return campaign_flow.to_deployment(
         name=f"campaign-{config.name}",
         interval=interval,
@@ -86,6 +90,37 @@ def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron:
     """Serve every campaign's deployment from this process until interrupted."""
     from prefect import serve as prefect_serve
 
+    if interval is None and cron is None:
+        raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
     deployments = [build_deployment(c, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
                    for c in configs]
     prefect_serve(*deployments, limit=len(deployments))
+
+
+def ensure_work_pool(pool: str, pool_type: str = "process", concurrency: int | None = None) -> None:
+    """Create work pool ``pool`` of ``pool_type`` (process here; docker or kubernetes in production) if missing."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    # already there: keep it as its owner configured it
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
+        client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, concurrency_limit=concurrency))
+
+
+def deploy(configs: list[CampaignConfig], *, pool: str, interval: float | None = None, cron: str | None = None,
+           iterations_per_run: int = 1) -> list[Any]:
+    """Register each campaign's deployment in work pool ``pool``; workers (``prefect worker start --pool``) run them.
+
+    Without a schedule the deployment runs only when triggered (the UI's "Run" form, the API, or
+    ``prefect deployment run``). Each keeps the deployment concurrency limit of one, so two runs of a
+    campaign never overlap however many workers poll the pool; the store's per-campaign claim is the
+    last line of defence. The entrypoint is the installed module ``evertrain.flows.campaign``, so a
+    worker needs only this package installed (a Docker or Kubernetes pool: an image with it).
+    """
+    ensure_work_pool(pool)
+    ids = []
+    for config in configs:
+        deployment = build_deployment(config, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
+        ids.append(deployment.apply(work_pool_name=pool))
+    return ids

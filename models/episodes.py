@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evertrain.envs.base import Environment, Problem
-from evertrain.models.policy import Sample, SamplingStats, sample
+from evertrain.models.policy import Sample, SamplingStats
+from evertrain.models.sampler import as_sampler
 
 PLACEHOLDER = "\u2063EVERTRAIN-ASSISTANT-TURN\u2063"
 
@@ -53,6 +54,11 @@ class Episode:
         return episode
 
 
+def turn_seed(group_seed: int, turn: int, sample: int) -> int:
+    """The seed of one episode's later turn, from its group's seed alone (not its place in a batch)."""
+    return (group_seed * 1_000_003 + turn * 1_009 + sample) & 0x7FFFFFFF
+
+
 def tool_message_ids(tokenizer: Any, messages: list[dict[str, str]], tool_message: dict[str, str],
                      eos_text: str) -> list[int]:
     """Tokens that follow an assistant turn ended by ``eos_text``: the tool message and the next assistant
@@ -68,17 +74,26 @@ def tool_message_ids(tokenizer: Any, messages: list[dict[str, str]], tool_messag
 def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list[Problem],
                     prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
                     top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
-                    progress: Any = None, tool_workers: int = 2) -> tuple[list[list[Episode]], SamplingStats]:
-    """``n`` episodes per problem of one environment (single- or multi-turn), with sampling statistics."""
+                    progress: Any = None, tool_workers: int = 2,
+                    seeds: list[int] | None = None) -> tuple[list[list[Episode]], SamplingStats]:
+    """``n`` episodes per problem of one environment (single- or multi-turn), with sampling statistics.
+
+    ``model`` is a :class:`~evertrain.models.sampler.Sampler` (the in-house one or a vLLM engine's), or a
+    transformers model, which samples through the in-house sampler.
+
+    ``seeds`` (one per problem) seed each group on its own (see ``sample``), later turns included, so a
+    group's episodes do not depend on the batch it was sampled in.
+    """
     agentic = bool(env.tools) and env.max_turns > 1
     stops: tuple[str, ...] = ()
     if agentic:
         from evertrain.envs.tools import format_tool_result, parse_tool_call, stop_strings
 
         stops = tuple(stop_strings(env.tools))
-    groups, stats = sample(model, tokenizer, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed, progress=progress,
-                           stop_strings=stops)
+    sampler = as_sampler(model, tokenizer)
+    groups, stats = sampler.sample(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   greedy=greedy, batch_size=batch_size, seed=seed, progress=progress,
+                                   stop_strings=stops, seeds=seeds)
     episodes = [[Episode.single_turn(s) for s in group] for group in groups]
     if not agentic:
         return episodes, stats
@@ -99,8 +114,12 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
             break
 
         def run(item: tuple[int, int, Any]) -> Any:
-            g, _, call = item
-            return env.tools[call.name].run(call.input, problems[g])
+            g, i, call = item
+            tool = env.tools[call.name]
+            if getattr(tool, "stateful", False):  # a terminal: it replays the episode's earlier commands
+                earlier = [t["input"] for t in episodes[g][i].turns if t["role"] == "tool" and t["name"] == call.name]
+                return tool.run_after(earlier, call.input, problems[g])
+            return tool.run(call.input, problems[g])
 
         with ThreadPoolExecutor(max_workers=tool_workers) as pool:
             results = list(pool.map(run, pending))
@@ -127,10 +146,15 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
                                   "tokens": [start, len(episode.completion_ids)]})
             contexts.append(prompts[g] + episode.completion_ids)
             owners.append((g, i))
-        more, more_stats = sample(model, tokenizer, contexts, 1, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_p=top_p, greedy=greedy, batch_size=batch_size,
-                                  seed=seed + turn, stop_strings=stops)
+        more, more_stats = sampler.sample(contexts, 1, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_p=top_p, greedy=greedy, batch_size=batch_size,
+                                          seed=seed + turn, stop_strings=stops,
+                                  seeds=None if seeds is None else [turn_seed(seeds[g], turn, i) for g, i in owners])
         stats.merge(more_stats)
         for (g, i), continuation in zip(owners, more, strict=True):
             episodes[g][i].add_policy_turn(continuation[0])
+    if hasattr(env, "episode_text"):  # graded on the whole episode (a terminal's command log), not the last turn
+        for group in episodes:
+            for episode in group:
+                episode.text = env.episode_text(episode.turns)
     return episodes, stats

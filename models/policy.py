@@ -53,8 +53,11 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
 
 def write_base_checkpoint(dest: Path, base_model: str) -> Path:
     """A checkpoint that only points at the base model: version 1 of every campaign."""
+    from evertrain.portable import portable
+
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / MANIFEST).write_text(json.dumps({"kind": "base", "base_model": base_model}, indent=2))
+    # relative to the working directory when inside it (as the config's paths are): the state folder can move
+    (dest / MANIFEST).write_text(json.dumps({"kind": "base", "base_model": portable(base_model)}, indent=2))
     return dest
 
 
@@ -142,9 +145,12 @@ def save_checkpoint(model: Any, dest: Path, base_model: str, **manifest: Any) ->
 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    from evertrain.portable import portable
+
     kind = "lora" if isinstance(model, PeftModel) else "full"
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / MANIFEST).write_text(json.dumps({"kind": kind, "base_model": base_model, **manifest}, indent=2))
+    (tmp / MANIFEST).write_text(json.dumps({"kind": kind, "base_model": portable(base_model), **manifest},
+                                           indent=2))
     if dest.exists():
         import shutil
 
@@ -287,16 +293,24 @@ def _closing_tokens(tokenizer: Any, stop_strings: tuple[str, ...]) -> frozenset[
 def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, batch_size: int = 64,
            seed: int = 0, progress: Any = None, stop_strings: tuple[str, ...] = (),
-           ) -> tuple[list[list[Sample]], SamplingStats]:
+           seeds: list[int] | None = None) -> tuple[list[list[Sample]], SamplingStats]:
     """Sample ``n`` completions for every prompt (token ids), with each token's log-probability.
 
     Prompts are read once (their common prefix once for the whole batch, each prompt once for its
     group of ``n``) and the KV cache is copied; finished sequences leave the batch so the rest decode
-    faster. Log-probs are taken in float32 from ``logits / temperature``: the distribution the
-    update's importance ratio is computed against. A row also stops when its text ends with one of
-    ``stop_strings`` (the closing tag of a tool call: the tool must answer, not the policy); such rows
-    finish with reason ``"stop_string"`` and keep the stop string in their text.
+    faster. Log-probs are taken in float32 from ``logits / temperature`` after the top-p cut: the
+    distribution each token was actually drawn from, which importance weights are computed against. A
+    row also stops when its text ends with one of ``stop_strings`` (the closing tag of a tool call: the
+    tool must answer, not the policy); such rows finish with reason ``"stop_string"`` and keep the stop
+    string in their text.
+
+    With ``seeds`` (one per prompt) each prompt's ``n`` samples draw from a generator of their own, so
+    a group's completions do not depend on which other groups share its batch or in what order: what
+    lets rollouts be split over workers and still equal those of one process. Otherwise one generator
+    seeded by ``seed`` serves the whole call.
     """
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"sample: {len(seeds)} seeds for {len(prompts)} prompts (one per prompt)")
     closers = _closing_tokens(tokenizer, stop_strings)
     configured = getattr(model.generation_config, "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
@@ -309,6 +323,8 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_
     cache_kw = _cache_keyword(model)
     for start in range(0, len(prompts), per_chunk):
         chunk = prompts[start:start + per_chunk]
+        generators = None if seeds is None else [
+            torch.Generator(device=device).manual_seed(s) for s in seeds[start:start + per_chunk]]
         began = time.perf_counter()
         state = prefill(model, chunk, tokenizer.pad_token_id)
         stats.prompt_tokens += state.computed_tokens
@@ -324,12 +340,17 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_
         finish = ["length"] * batch
         for _step in range(max_new_tokens):
             scaled = logits if greedy else logits / temperature
-            logp_all = torch.log_softmax(scaled, dim=-1)
+            # log-probs of the distribution actually sampled from (after top-p): what importance weights need
+            filtered = _top_p_filter(scaled, top_p) if top_p < 1.0 and not greedy else scaled
+            logp_all = torch.log_softmax(filtered, dim=-1)
             if greedy:
                 chosen = scaled.argmax(-1)
             else:
-                filtered = _top_p_filter(scaled, top_p) if top_p < 1.0 else scaled
-                chosen = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
+                probs = torch.softmax(filtered, -1)
+                if generators is None:
+                    chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                else:
+                    chosen = _draw_per_group(probs, active // n, generators)
             chosen_logp = logp_all.gather(-1, chosen[:, None]).squeeze(-1)
             done = torch.isin(chosen.cpu(), eos)
             for row, (token, lp, stop) in enumerate(zip(chosen.tolist(), chosen_logp.tolist(), done.tolist(),
@@ -370,30 +391,115 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, *, max_
     return results, stats
 
 
+def _draw_per_group(probs: torch.Tensor, owners: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row, each row drawn from the generator of the group that owns it (``owners[row]``)."""
+    chosen = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for group in torch.unique(owners).tolist():
+        rows = (owners == group).nonzero().squeeze(-1).to(probs.device)
+        chosen[rows] = torch.multinomial(probs[rows], 1, generator=generators[group]).squeeze(-1)
+    return chosen
+
+
 def grouped_logprobs(model: Any, prompts: list[list[int]], completions: list[list[list[int]]], *,
-                     temperature: float = 1.0, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     temperature: float | torch.Tensor = 1.0, pad_id: int = 0, top_p: float = 1.0,
+                     chunk: int | None = None, shared_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of every completion of every group: a [completions, T] tensor and its mask.
 
     ``prompts[g]`` is group g's prompt and ``completions[g]`` its completions. Each prompt is run once
     (their common prefix once for all), its cache repeated for the group's completions, so the
     update costs about what the completions cost, not G copies of the prompt. Rows are the
     completions in order, right-padded to T.
+
+    ``temperature`` is one number or one per completion (rollouts replayed with the settings they were
+    sampled with); ``top_p < 1`` gives log-probs of the truncated distribution (tokens outside it: -inf).
+    With ``chunk``, log-probs are computed from the decoder's hidden states ``chunk`` positions at a
+    time (recomputed in the backward pass), so no [rows, T, vocabulary] float32 tensor exists for the
+    whole batch: what keeps a 150k-token vocabulary with long completions in memory. ``shared_prefix =
+    False`` runs every completion with its whole prompt and no KV cache (what gradient checkpointing
+    needs: a recomputed layer would write to a shared cache twice).
     """
     device = next(model.parameters()).device
-    state = prefill(model, prompts, pad_id)
-    counts = [len(c) for c in completions]
-    state.select(torch.arange(len(prompts), device=device).repeat_interleave(torch.tensor(counts, device=device)))
     flat = [c for group in completions for c in group]
     ids, completion_mask = _right_pad(flat, pad_id)
     ids, completion_mask = ids.to(device), completion_mask.to(device)
+    counts = [len(c) for c in completions]
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(device=device, dtype=torch.float32)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(inner, "config", None)
+    # logit soft-capping or scaling (Gemma, Cohere) lives in the causal-LM head's forward: keep the full path
+    chunkable = chunk is not None and not any(getattr(config, k, None) for k in ("final_logit_softcapping",
+                                                                                   "logit_scale"))
+    if not shared_prefix:
+        return _unshared_logprobs(model, inner, prompts, counts, ids, completion_mask, temperature, top_p,
+                                  chunk if chunkable else None, pad_id)
+    state = prefill(model, prompts, pad_id)
+    state.select(torch.arange(len(prompts), device=device).repeat_interleave(torch.tensor(counts, device=device)))
     width = ids.shape[1]
     mask = torch.cat([state.mask, completion_mask], dim=-1)
     positions = state.next_position[:, None] + torch.arange(width, device=device)[None, :]
+    first = _logprobs_of(state.last_logits[:, None, :], ids[:, :1], temperature, top_p)
+    if chunkable:
+        body = inner.get_decoder()
+        hidden = body(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                      use_cache=True, **{_cache_keyword(body): state.cache}).last_hidden_state
+        rest = _chunked_logprobs(inner.get_output_embeddings(), hidden, ids[:, 1:], temperature, top_p, chunk)
+        return torch.cat([first, rest], dim=1), completion_mask.bool()
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 **{_cache_keyword(model): state.cache})
-    logits = torch.cat([state.last_logits[:, None, :], out.logits[:, :-1, :]], dim=1).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
-    return logp, completion_mask.bool()
+    rest = _logprobs_of(out.logits[:, :-1, :], ids[:, 1:], temperature, top_p)
+    return torch.cat([first, rest], dim=1), completion_mask.bool()
+
+
+def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor,
+                 top_p: float) -> torch.Tensor:
+    """log p(target) under softmax(logits / temperature), top-p truncated; float32 whatever the model's dtype."""
+    if isinstance(temperature, torch.Tensor):  # one per row
+        temperature = temperature.view(-1, *([1] * (logits.dim() - 1)))
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        scaled = _top_p_filter(scaled, top_p)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def _chunked_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor,
+                      top_p: float, chunk: int) -> torch.Tensor:
+    """``_logprobs_of(head(hidden))`` ``chunk`` positions at a time; under autograd each chunk's logits are
+    recomputed in the backward pass instead of kept (activation checkpointing of the head and softmax)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _logprobs_of(head(h), t, temperature, top_p)
+
+    parts = []
+    for start in range(0, hidden.shape[1], chunk):
+        h, t = hidden[:, start:start + chunk], targets[:, start:start + chunk]
+        parts.append(checkpoint(piece, h, t, use_reentrant=False) if torch.is_grad_enabled() else piece(h, t))
+    if not parts:
+        return hidden.new_zeros((hidden.shape[0], 0), dtype=torch.float32)
+    return torch.cat(parts, dim=1)
+
+
+def _unshared_logprobs(model: Any, inner: Any, prompts: list[list[int]], counts: list[int], ids: torch.Tensor,
+                       completion_mask: torch.Tensor, temperature: float | torch.Tensor, top_p: float,
+                       chunk: int | None, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_logprobs without a shared KV cache: each row is its prompt and completion, right-padded."""
+    device = ids.device
+    owners = [g for g, count in enumerate(counts) for _ in range(count)]
+    rows = [prompts[g] + [int(x) for x in ids[r, :int(completion_mask[r].sum())]] for r, g in enumerate(owners)]
+    full, full_mask = _right_pad(rows, pad_id)
+    full, full_mask = full.to(device), full_mask.to(device)
+    # hidden state at position L-1+t predicts completion token t (L: the row's prompt length)
+    starts = torch.tensor([len(prompts[g]) - 1 for g in owners], device=device)
+    index = (starts[:, None] + torch.arange(ids.shape[1], device=device)[None, :]).clamp(max=full.shape[1] - 1)
+    if chunk is not None:
+        hidden = inner.get_decoder()(input_ids=full, attention_mask=full_mask, use_cache=False).last_hidden_state
+        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        return _chunked_logprobs(inner.get_output_embeddings(), picked, ids, temperature, top_p, chunk), \
+            completion_mask.bool()
+    logits = model(input_ids=full, attention_mask=full_mask, use_cache=False).logits
+    picked = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+    return _logprobs_of(picked, ids, temperature, top_p), completion_mask.bool()
 
 
 def _right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,6 +510,48 @@ def _right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
         ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, :len(row)] = 1
     return ids, mask
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX): only then is bf16 autocast faster."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def update_precision(setting: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of the update's forward and backward (None: plain float32) for ``update.precision``."""
+    if setting == "float32":
+        return None
+    supported = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_supports_bf16()
+    if setting == "bfloat16":
+        if not supported:
+            raise ModelError(f"update.precision = 'bfloat16', but {device} has no native bfloat16 "
+                             "(a CUDA device with bf16, or a CPU with AVX-512 BF16 or AMX): use 'float32'")
+        return torch.bfloat16
+    # auto: bfloat16 on GPUs that have it; on CPUs float32, what the demo's learning rate was tuned under
+    return torch.bfloat16 if device.type == "cuda" and supported else None
+
+
+def autocast(dtype: torch.dtype | None, model: Any) -> Any:
+    """An autocast context for ``model``'s device in ``dtype`` (a no-op for None). Weights, optimizer state,
+    log-softmax and the loss stay float32; matrix products run in ``dtype``."""
+    import contextlib
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each layer's activations in the backward pass (peft adapters need grad-enabled inputs)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    inner.config.use_cache = False
 
 
 def set_threads(threads: int | None) -> None:

@@ -14,6 +14,7 @@ from evertrain.data.store import now
 from evertrain.runtime import Runtime
 
 STAGES = ("curate", "rollout", "score", "update", "evaluate", "promote")
+OPTIONAL_STAGES = ("sft",)  # run only when configured (sft.enabled), between score and update
 
 StageFunction = Callable[[Runtime, int], dict[str, Any]]
 
@@ -38,8 +39,8 @@ def current_flow_run_id() -> str | None:
 
 def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) -> dict[str, Any]:
     """Run one stage for ``iteration``: record it in ``stage_runs`` and log its metrics to MLflow."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    if stage not in STAGES and stage not in OPTIONAL_STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES + OPTIONAL_STAGES)}")
     rt.ensure_started()
     rt.store.replace("campaigns", {"campaign": rt.campaign}, [{
         "campaign": rt.campaign, "config": rt.config.model_dump_json(), "updated_at": now()}])
@@ -47,6 +48,9 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     run_id, previous_status = rt.tracker.iteration_run(iteration, flow_run_id)
     started = now()
     wall0, cpu0 = time.perf_counter(), cpu_seconds()
+    from evertrain.models.sampler import sync_seconds
+
+    sync0 = sync_seconds()  # weight hand-offs to samplers (loading a version, or giving it to the vLLM engine)
     rt.store.record_stage(rt.campaign, iteration, stage, "running", started_at=started, flow_run_id=flow_run_id)
     token = faults.current_stage.set(stage)
     try:
@@ -64,10 +68,19 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
         raise
     faults.current_stage.reset(token)
     wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
-    metrics = {**metrics, "wall_s": wall, "cpu_s": cpu, **stage_cost(rt, metrics, wall, cpu)}
+    metrics = {**metrics, "wall_s": wall, "cpu_s": cpu, "weight_sync_s": sync_seconds() - sync0,
+               **stage_cost(rt, metrics, wall, cpu)}
     rt.store.record_stage(rt.campaign, iteration, stage, "completed", started_at=started, wall_s=wall,
                           cpu_s=cpu, metrics=metrics, flow_run_id=flow_run_id)
     rt.tracker.log_metrics(run_id, {f"{stage}/{key}": value for key, value in metrics.items()}, step=iteration)
+    if stage == "score":  # trajectories where people look: a sample of the scored rollouts, as an MLflow table
+        from evertrain.report import sample_rollouts
+
+        rt.tracker.log_rollouts(run_id, iteration, sample_rollouts(rt.store, rt.campaign, iteration))
+    if stage == "promote":  # the aliases have moved: checkpoints no alias or recent challenger needs can go
+        from evertrain.retention import apply_retention
+
+        apply_retention(rt)
     if stage == STAGES[-1] or previous_status == "FINISHED":
         rt.tracker.finish_run(run_id)
     return metrics

@@ -5,8 +5,8 @@ For each environment (its share of the iteration follows its weight) candidates 
 
 1. ``duplicate``: the same problem (content hash) already chosen this iteration;
 2. ``near_duplicate``: word 3-grams overlapping a chosen problem's beyond ``curation.near_duplicate_jaccard``;
-3. ``contaminated``: being any environment's held-out problem, or sharing a word n-gram with the held-out
-   problem of a data-set environment;
+3. ``contaminated``: being any environment's held-out problem (the gate's or a sealed split's), or sharing
+   a word n-gram with the held-out problem of a data-set environment;
 4. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
    attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
    shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
@@ -44,7 +44,12 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
     for spec in config.environments:
         env = rt.env(spec.name)
         mine = NgramIndex(n=config.curation.decontamination_ngram)
-        for problem in env.problems("eval", config.eval_size(spec.name), config.seed):
+        gate = config.eval_size(spec.name)
+        # the sealed splits are kept out of training like the gate's set: curation only learns their ids
+        # and n-grams to refuse anything that leaks them, never their answers or scores
+        sealed = [p for split in ("test", "transfer")
+                  for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
+        for problem in env.problems("eval", gate, config.seed) + sealed:
             ids.add(problem.id)
             if not env.templated:
                 mine.add(problem.prompt)
@@ -73,7 +78,13 @@ def attempt_history(rt: Runtime, iteration: int, ids: list[str], k: int) -> dict
 
 def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     config, rules = rt.config, rt.config.curation
-    shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
+    mix_metrics: dict[str, Any] = {}
+    if config.mix.adaptive:  # shares follow each environment's learnability now (evertrain.mix), logged per iteration
+        from evertrain.mix import record
+
+        shares, mix_metrics = record(rt, iteration)
+    else:
+        shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
     held_ids, held_index = _held_out_index(config.model_dump_json())
     chosen = NgramIndex(n=3)
     dropped = dict.fromkeys(RULES, 0)
@@ -121,6 +132,7 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)
     metrics.update({f"dropped_{rule}": count for rule, count in dropped.items()})
+    metrics.update(mix_metrics)
     return metrics
 
 

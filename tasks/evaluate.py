@@ -11,29 +11,45 @@ problems. After each slice but the last, a paired bootstrap against the champion
 problems so far gives P(challenger not worse); below ``promotion.futility`` the evaluation stops and the
 promote stage keeps the champion. Stopping for futility can only reject a challenger, never promote
 one, so it does not raise the chance of promoting a worse model; it saves most of the evaluation of
-challengers that are clearly worse (a diverged trainee, a broken update).
+challengers that are clearly worse (a diverged trainee, a broken update). With ``promotion.efficacy`` it
+also stops a challenger that is clearly better: its gain's z statistic crosses a group-sequential
+boundary that spends the gate's error 1 - ``promotion.confidence`` across the looks (O'Brien-Fleming-type
+Lan-DeMets spending), so looking early does not raise the chance of promoting a challenger that is not
+better.
+
+The gate is made cheaper in two more ways: ``eval.every = k`` evaluates every k-th update only, and an
+environment on which the champion scores 0 (it cannot regress) is evaluated for the challenger only
+every ``eval.zero_recheck`` iterations. An update that trained on nothing registers no challenger, and
+this stage then records itself as skipped.
+
+Rows are reused only when they were generated the same way (``gen_key``: token limit, dtype, the
+prompt's messages, decoding). The sealed splits (``test``, ``transfer``) are evaluated here too, by
+:func:`evaluate_sealed`, but only for the base model and new champions, after the gate has decided.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
+from functools import lru_cache
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from evertrain.cluster import SampleJob, driver_policy, sample_jobs, verify_items
 from evertrain.config import CampaignConfig
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.envs.base import Problem
-from evertrain.models.episodes import sample_episodes
-from evertrain.models.policy import encode_chat, load_policy
+from evertrain.models.policy import encode_chat
 from evertrain.runtime import Runtime, get_runtime, seed_for
-from evertrain.scoring import pop_sandbox_runs, verify_many
+from evertrain.scoring import pop_sandbox_runs
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -64,6 +80,76 @@ def paired_bootstrap(challenger: np.ndarray, champion: np.ndarray, strata: np.nd
     }
 
 
+Z_CAP = 50.0  # beyond any boundary; keeps z finite for JSON and MLflow
+
+
+def z_statistic(challenger: np.ndarray, champion: np.ndarray, strata: np.ndarray) -> float:
+    """The paired, stratified z statistic of the challenger's gain: mean difference over its standard error."""
+    diff = challenger.astype(float) - champion.astype(float)
+    total = len(diff)
+    if not total:
+        return 0.0
+    variance = sum(len(part) * (part.var(ddof=1) if len(part) > 1 else 0.0)
+                   for part in (diff[strata == s] for s in np.unique(strata))) / total ** 2
+    mean = float(diff.mean())
+    if variance <= 0:  # every difference the same: no noise to weigh it against (capped: stored as JSON)
+        return math.copysign(Z_CAP, mean) if mean else 0.0
+    return max(-Z_CAP, min(Z_CAP, mean / math.sqrt(variance)))
+
+
+def alpha_spent(fraction: float, alpha: float) -> float:
+    """O'Brien-Fleming-type spending (Lan and DeMets): the share of the one-sided error ``alpha`` that may be
+    spent by information fraction t, 2 - 2 Phi(z_{1-alpha/2} / sqrt(t)): almost nothing early, alpha at t = 1."""
+    if fraction <= 0:
+        return 0.0
+    normal = NormalDist()
+    return min(alpha, 2 - 2 * normal.cdf(normal.inv_cdf(1 - alpha / 2) / math.sqrt(min(fraction, 1.0))))
+
+
+@lru_cache(maxsize=64)
+def efficacy_boundaries(fractions: tuple[float, ...], alpha: float, paths: int = 200_000) -> tuple[float, ...]:
+    """One-sided z boundaries at looks taken at ``fractions`` (increasing, the last 1) that together promote
+    a challenger no better than the champion with probability at most ``alpha``.
+
+    The cumulative z statistics at the looks are those of a Brownian motion observed at the fractions
+    (correlation sqrt(t_i / t_j)); the boundaries are found look by look on simulated paths (fixed seed),
+    each spending alpha_spent(t_j) - alpha_spent(t_{j-1}) among paths that have not crossed yet.
+    """
+    rng = np.random.default_rng(20261130)
+    steps = np.diff((0.0, *fractions))
+    motion = np.cumsum(rng.standard_normal((paths, len(fractions))) * np.sqrt(steps), axis=1)
+    z = motion / np.sqrt(np.asarray(fractions))
+    alive = np.ones(paths, dtype=bool)
+    bounds, spent = [], 0.0
+    for look, fraction in enumerate(fractions):
+        target = alpha_spent(fraction, alpha) if look < len(fractions) - 1 else alpha
+        allowed = int((target - spent) * paths)
+        candidates = np.sort(z[alive, look])[::-1]
+        bound = math.inf if allowed < 1 else float(candidates[min(allowed, len(candidates)) - 1])
+        bounds.append(bound)
+        crossed = alive & (z[:, look] >= bound)
+        spent += crossed.sum() / paths
+        alive &= ~crossed
+    return tuple(bounds)
+
+
+def generation_key(rt: Runtime, problem: Problem) -> str:
+    """How an answer to ``problem`` is generated: token and turn limits, dtype, the prompt's messages and the
+    decoding. Rows are reused only under the same key: a changed template or limit means new answers."""
+    config, env = rt.config, rt.env(problem.env)
+    decoding: dict[str, Any] = {"greedy": True, "samples": config.eval.samples}
+    if config.eval.samples:
+        decoding.update(temperature=config.generation.temperature, top_p=config.generation.top_p, seed=config.seed)
+    blob = {"max_new_tokens": config.max_new_tokens(problem.env, evaluation=True), "max_turns": env.max_turns,
+            "dtype": config.model.rollout_dtype, "messages": env.messages(problem), "decoding": decoding}
+    from evertrain.models.sampler import resolve_backend
+
+    backend = resolve_backend(config)
+    if backend != "hf":  # another engine's answers are other answers (kept out of the key for hf: keys stay stable)
+        blob["backend"] = backend
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def slices(problems: list[Problem], looks: int) -> list[list[Problem]]:
     """``looks`` slices of ``problems``, each holding the same share of every environment's problems."""
     by_env: dict[str, list[Problem]] = {}
@@ -81,6 +167,43 @@ def eval_problems(rt: Runtime) -> list[Problem]:
     config = rt.config
     return [p for spec in config.environments
             for p in rt.env(spec.name).problems("eval", config.eval_size(spec.name), config.seed)]
+
+
+def sealed_problems(rt: Runtime) -> list[Problem]:
+    """Every environment's sealed test split and, where it has one, its transfer split: never the gate's."""
+    config = rt.config
+    gate = {p.id for p in eval_problems(rt)}
+    out: list[Problem] = []
+    for spec in config.environments:
+        env, size = rt.env(spec.name), config.sealed_size(spec.name)
+        for split in ("test", "transfer"):
+            out += [p for p in env.sealed_problems(split, size, config.seed, config.eval_size(spec.name))
+                    if p.id not in gate]
+    return out
+
+
+def split_of(problem: Problem) -> str:
+    """The ``evals.split`` of a problem: ``gate`` for the held-out set the promotion gate compares."""
+    return "gate" if problem.split == "eval" else problem.split
+
+
+def stage_metrics(rt: Runtime, iteration: int, stage: str) -> dict[str, Any]:
+    """The recorded metrics of ``stage`` for ``iteration`` ({} when it has not completed)."""
+    raw = rt.store.scalar("SELECT metrics FROM stage_runs WHERE campaign = ? AND iteration = ? AND stage = ? "
+                          "AND status = 'completed'", [rt.campaign, iteration, stage])
+    return json.loads(raw) if raw else {}
+
+
+def skip_reason(rt: Runtime, iteration: int) -> str | None:
+    """Why this iteration's gate does not run, if it does not."""
+    update = stage_metrics(rt, iteration, "update")
+    if update.get("skipped"):
+        return f"skipped: the update registered no challenger ({update['skipped']})"
+    every = rt.config.eval.every
+    if every > 1 and (iteration + 1) % every:
+        following = iteration + every - (iteration + 1) % every
+        return f"skipped: the gate runs every {every} updates (next at iteration {following})"
+    return None
 
 
 def challenger_of(rt: Runtime, iteration: int) -> int:
@@ -105,59 +228,74 @@ def _attempts(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], 
     """(problem, sample, episode) for every attempt: greedy sample 0, then ``samples`` sampled ones."""
     config = rt.config
     out: list[tuple[Problem, int, Any]] = []
+    jobs = []
     for env_name in sorted({p.env for p in problems}):
-        env = rt.env(env_name)
         batch = [p for p in problems if p.env == env_name]
-        prompts = [encode_chat(tokenizer, env.messages(p)) for p in batch]
-        limit = config.max_new_tokens(env_name, evaluation=True)
-        greedy, _ = sample_episodes(model, tokenizer, env, batch, prompts, 1, greedy=True, max_new_tokens=limit,
-                                    batch_size=config.generation.batch_size, progress=bar)
-        out += [(p, 0, g[0]) for p, g in zip(batch, greedy, strict=True)]
-        if samples:
-            sampled, _ = sample_episodes(
-                model, tokenizer, env, batch, prompts, samples, max_new_tokens=limit,
-                temperature=config.generation.temperature, top_p=config.generation.top_p,
-                batch_size=config.generation.batch_size, seed=seed_for(config.seed, "eval", version, env_name))
-            out += [(p, i + 1, e) for p, g in zip(batch, sampled, strict=True) for i, e in enumerate(g)]
+        prompts = [encode_chat(tokenizer, rt.env(env_name).messages(p)) for p in batch]
+        # sampled attempts are seeded per problem, so they are the same in one process and on a cluster
+        jobs.append(SampleJob(env_name, batch, prompts, config.max_new_tokens(env_name, evaluation=True),
+                              seeds=[seed_for(config.seed, "eval", version, p.id) for p in batch]))
+    # model is None on a cluster: the greedy answers (and sampled attempts) fan out to its rollout workers
+    checkpoint = rt.checkpoint(version)
+    greedy, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, 1, greedy=True, progress=bar)
+    for job, (groups, _) in zip(jobs, greedy, strict=True):
+        out += [(p, 0, g[0]) for p, g in zip(job.problems, groups, strict=True)]
+    if samples:
+        sampled, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, samples)
+        for job, (groups, _) in zip(jobs, sampled, strict=True):
+            out += [(p, i + 1, e) for p, g in zip(job.problems, groups, strict=True) for i, e in enumerate(g)]
     return out
 
 
+StopRule = Callable[[list[dict[str, Any]], int, tuple[float, ...]], str | None]
+
+
 def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iteration: int, role: str,
-                     stop: Callable[[list[dict[str, Any]]], str | None] | None = None,
+                     stop: StopRule | None = None,
                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Eval rows of ``version`` on ``problems``: reused where this version answered before, else generated.
 
-    With ``stop``, the problems are evaluated in ``eval.looks`` slices and ``stop(rows so far)`` is asked
-    after each but the last; a reason string ends the evaluation there.
+    With ``stop``, the problems are evaluated in ``eval.looks`` slices and ``stop(rows so far, look,
+    fractions)`` is asked after each but the last (``fractions``: the share of ``problems`` answered at each
+    look, reused rows included); a reason string ends the evaluation there.
     """
     config = rt.config
     wanted = config.eval.samples + 1
+    keys = {p.id: generation_key(rt, p) for p in problems}
+    splits = {p.id: split_of(p) for p in problems}
     earlier = rt.store.query(
         """SELECT * FROM evals WHERE campaign = ? AND model_version = ? AND iteration <> ? AND sample < ?
-           AND problem_id IN (SELECT unnest(?::VARCHAR[]))
-           QUALIFY row_number() OVER (PARTITION BY problem_id, sample ORDER BY iteration DESC) = 1""",
-        [rt.campaign, version, iteration, wanted, [p.id for p in problems]],
+           AND problem_id IN (SELECT unnest(?::VARCHAR[])) AND gen_key IN (SELECT unnest(?::VARCHAR[]))
+           QUALIFY row_number() OVER (PARTITION BY problem_id, sample, gen_key ORDER BY iteration DESC) = 1""",
+        [rt.campaign, version, iteration, wanted, list(keys), sorted(set(keys.values()))],
     )
+    # only answers generated the same way as now (same limits, dtype, prompt, decoding) are reused
+    earlier = earlier[earlier["problem_id"].map(keys).eq(earlier["gen_key"])]
     complete = earlier.groupby("problem_id")["sample"].nunique()
     reusable = set(complete[complete == wanted].index)
     stamp = now()
-    rows = [{**row, "iteration": iteration, "role": role, "reused_from": row["iteration"], "created_at": stamp}
+    rows = [{**row, "iteration": iteration, "role": role, "reused_from": row["iteration"], "created_at": stamp,
+             "split": splits[row["problem_id"]]}
             for row in earlier.to_dict("records") if row["problem_id"] in reusable]
     todo = [p for p in problems if p.id not in reusable]
     stats: dict[str, Any] = {"generated": float(len(todo)), "reused": float(len(reusable)),
                              "completion_tokens": 0.0, "model_s": 0.0, "sandbox_runs": 0.0}
     if not todo:
         return rows, stats
-    model, tokenizer = load_policy(rt.checkpoint(version), dtype=getattr(torch, config.model.rollout_dtype),
-                                   device=config.model.device)
+    model, tokenizer = driver_policy(config, rt.checkpoint(version))
     parts = slices(todo, config.eval.looks) if stop is not None else [todo]
+    fractions = tuple((len(reusable) + sum(len(done) for done in parts[:look + 1])) / len(problems)
+                      for look in range(len(parts)))
+    if len(parts) > 1:
+        stats["look_fractions"] = list(fractions)
     with progress(len(todo), f"evaluate i={iteration} v{version}", "problem") as bar:
         for look, part in enumerate(parts):
             rows += _evaluate_part(rt, model, tokenizer, part, version, iteration, role, stamp, bar, stats)
-            reason = stop(rows) if stop is not None and look < len(parts) - 1 else None
+            reason = stop(rows, look, fractions) if stop is not None and look < len(parts) - 1 else None
             if reason:
                 stats["generated"] = float(sum(len(done) for done in parts[:look + 1]))
                 stats["stopped"] = reason
+                stats["stopped_look"] = look
                 break
     return rows, stats
 
@@ -167,7 +305,8 @@ def _evaluate_part(rt: Runtime, model: Any, tokenizer: Any, problems: list[Probl
     began = time.perf_counter()
     attempts = _attempts(rt, model, tokenizer, problems, rt.config.eval.samples, version, bar)
     stats["model_s"] += time.perf_counter() - began
-    verdicts = verify_many([(rt.env(p.env), p, e.text) for p, _, e in attempts])
+    verdicts, _ = verify_items(rt.config, rt.env, [(p.env, p, e.text) for p, _, e in attempts])
+    keys = {p.id: generation_key(rt, p) for p in problems}
     audit = [{**run, "campaign": rt.campaign, "iteration": iteration}
              for (_, _, e), v in zip(attempts, verdicts, strict=True) for run in e.sandbox_runs + pop_sandbox_runs(v)]
     if audit:
@@ -181,28 +320,40 @@ def _evaluate_part(rt: Runtime, model: Any, tokenizer: Any, problems: list[Probl
             "problem_id": p.id, "sample": index, "env": p.env, "completion": e.text,
             "completion_tokens": sum(e.loss_mask), "turns": to_json(e.turns), "tool_calls": e.tool_calls,
             "tool_errors": e.tool_errors, "rework": e.rework, "reward": v.reward, "passed": v.passed,
-            "reason": v.reason, "reused_from": None, "created_at": stamp,
+            "reason": v.reason, "reused_from": None, "created_at": stamp, "split": split_of(p), "gen_key": keys[p.id],
         })
     return rows
 
 
-def futility_check(rt: Runtime, iteration: int, champion_rows: list[dict[str, Any]], total: int,
-                   ) -> Callable[[list[dict[str, Any]]], str | None]:
-    """``stop(challenger rows so far)``: a reason once P(challenger not worse) falls below promotion.futility.
+def sequential_check(rt: Runtime, iteration: int, champion_rows: list[dict[str, Any]], total: int) -> StopRule:
+    """``stop(challenger rows so far, look, fractions)``: a reason to end the challenger's evaluation early.
 
+    Efficacy (``promotion.efficacy``): the gain's z statistic reaches the look's group-sequential boundary
+    (error 1 - confidence spent across the looks), the gain exceeds min_gain and no environment has dropped
+    beyond max_regression so far. Futility (``promotion.futility``): P(challenger not worse) is below it.
     Ties count as "not worse": a challenger that differs from the champion on a single problem so far is
     no evidence of futility, although every bootstrap mean of its gain is then <= 0.
     """
     rule = rt.config.promotion
     champion = {row["problem_id"]: row["reward"] for row in champion_rows if row["sample"] == 0}
 
-    def stop(rows: list[dict[str, Any]]) -> str | None:
+    def stop(rows: list[dict[str, Any]], look: int, fractions: tuple[float, ...]) -> str | None:
         mine = [row for row in rows if row["sample"] == 0 and row["problem_id"] in champion]
         if not mine:
             return None
-        test = paired_bootstrap(np.array([row["reward"] for row in mine]),
-                                np.array([champion[row["problem_id"]] for row in mine]),
-                                np.array([row["env"] for row in mine]), rule.bootstrap_samples,
+        challenger = np.array([row["reward"] for row in mine], dtype=float)
+        baseline = np.array([champion[row["problem_id"]] for row in mine], dtype=float)
+        envs = np.array([row["env"] for row in mine])
+        if rule.efficacy:
+            bound = efficacy_boundaries(fractions, round(1 - rule.confidence, 6))[look]
+            z, gain = z_statistic(challenger, baseline, envs), float((challenger - baseline).mean())
+            drops = {env: float((baseline[envs == env] - challenger[envs == env]).mean()) for env in np.unique(envs)}
+            if bound < math.inf and z >= bound and gain > rule.min_gain and max(drops.values()) <= rule.max_regression:
+                return (f"stopped for efficacy after {len(mine)} of {total} problems: gain {gain:+.3f}, "
+                        f"z = {z:.2f} >= {bound:.2f} (look {look + 1} of {len(fractions)})")
+        if not rule.futility:
+            return None
+        test = paired_bootstrap(challenger, baseline, envs, rule.bootstrap_samples,
                                 seed_for(rt.config.seed, iteration, "futility", len(mine)))
         if test["p_not_worse"] >= rule.futility:
             return None
@@ -210,6 +361,27 @@ def futility_check(rt: Runtime, iteration: int, champion_rows: list[dict[str, An
                 f"P(not worse) = {test['p_not_worse']:.3f} < {rule.futility:.3f}")
 
     return stop
+
+
+def zero_skipped(rt: Runtime, iteration: int) -> dict[str, str]:
+    """Guard environments (weight 0) left out of this gate: at their last gate, within ``eval.zero_recheck``
+    iterations, champion and challenger both scored 0 on every problem. A model at 0 cannot regress, and
+    the last ones measured were at 0, so re-evaluating them every iteration (GSM8K for SmolLM2-135M: two
+    thirds of the demo's evaluation) buys nothing until the recheck. Trained environments are always
+    evaluated: a gain there is what the gate is looking for."""
+    window = rt.config.eval.zero_recheck
+    guards = {spec.name for spec in rt.config.environments if spec.weight == 0}
+    if window <= 1 or not guards:
+        return {}
+    frame = rt.store.query(
+        """SELECT env, iteration, max(reward) AS best, count(DISTINCT model_version) AS versions FROM evals
+           WHERE campaign = ? AND coalesce(split, 'gate') = 'gate' AND sample = 0 AND iteration < ?
+           GROUP BY env, iteration QUALIFY row_number() OVER (PARTITION BY env ORDER BY iteration DESC) = 1""",
+        [rt.campaign, iteration])
+    return {row.env: f"champion and challenger both scored 0 at iteration {row.iteration}; "
+                     f"rechecked at iteration {row.iteration + window}"
+            for row in frame.itertuples(index=False)
+            if row.env in guards and row.best == 0 and row.versions >= 2 and iteration - row.iteration < window}
 
 
 def env_metrics(frame: pd.DataFrame, samples: int) -> dict[str, float]:
@@ -225,26 +397,39 @@ def env_metrics(frame: pd.DataFrame, samples: int) -> dict[str, float]:
 
 
 def evaluate(rt: Runtime, iteration: int) -> dict[str, Any]:
-    problems = eval_problems(rt)
+    skipped = skip_reason(rt, iteration)
+    if skipped:
+        rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration, "split": "gate"}, [])
+        return {"skipped": skipped}
+    left_out = zero_skipped(rt, iteration)
+    problems = [p for p in eval_problems(rt) if p.env not in left_out]
+    if not problems:  # every environment is a guard at 0: the gate still needs something to compare
+        left_out, problems = {}, eval_problems(rt)
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {"challenger_version": challenger, "champion_version": champion,
                                "eval_problems": len(problems)}
+    metrics.update({f"skipped_env_{env}": why for env, why in left_out.items()})
     roles = ([("champion", champion)] if champion != challenger else []) + [("challenger", challenger)]
     for role, version in roles:
         stop = None
         if role == "challenger" and champion != challenger and rt.config.eval.looks > 1 and \
-                rt.config.promotion.futility:
-            stop = futility_check(rt, iteration, rows, len(problems))
+                (rt.config.promotion.futility or rt.config.promotion.efficacy):
+            stop = sequential_check(rt, iteration, rows, len(problems))
         version_rows, stats = evaluate_version(rt, version, problems, iteration, role, stop)
         rows += version_rows
-        if "stopped" in stats:
-            metrics["stopped"] = stats.pop("stopped")
+        for key in ("stopped", "stopped_look", "look_fractions"):
+            if key in stats:
+                metrics[key] = stats.pop(key)
         metrics.update({f"{role}_{key}": value for key, value in stats.items()})
+    if rt.config.promotion.efficacy and "look_fractions" in metrics:
+        # a look that may spend no error has an infinite boundary: stored as null (never crossed)
+        metrics["efficacy_bounds"] = [b if b < math.inf else None for b in efficacy_boundaries(
+            tuple(metrics["look_fractions"]), round(1 - rt.config.promotion.confidence, 6))]
     metrics["challenger_eval_share"] = sum(
-        1 for row in rows if row["model_version"] == challenger and row["sample"] == 0) / len(problems)
+        1 for row in rows if row["model_version"] == challenger and row["sample"] == 0) / max(len(problems), 1)
     frame = pd.DataFrame(rows)
-    rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration}, frame)
+    rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration, "split": "gate"}, frame)
     for role, version in roles:
         mine = frame[frame["model_version"] == version]
         metrics[f"pass1_{role}"] = float(mine[mine["sample"] == 0]["reward"].mean())
@@ -253,6 +438,31 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, Any]:
                 metrics[f"{key}_{role}_{env}"] = value
     if champion == challenger:
         metrics["pass1_champion"] = metrics["pass1_challenger"]
+    return metrics
+
+
+def evaluate_sealed(rt: Runtime, iteration: int, versions: list[int]) -> dict[str, Any]:
+    """Answers of ``versions`` on the sealed splits (reused where they exist), stored as split test/transfer.
+
+    Called by promote after the gate has decided, for the base model and each new champion: what is
+    learned is measured on problems that no decision ever looked at.
+    """
+    problems = sealed_problems(rt)
+    metrics: dict[str, Any] = {"sealed_problems": len(problems), "sealed_generated": 0.0, "sealed_s": 0.0}
+    if not problems:
+        return metrics
+    began = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for version in dict.fromkeys(versions):
+        version_rows, stats = evaluate_version(rt, version, problems, iteration, "sealed")
+        rows += version_rows
+        metrics["sealed_generated"] += stats["generated"]
+        metrics["sealed_completion_tokens"] = metrics.get("sealed_completion_tokens", 0.0) + stats["completion_tokens"]
+    frame = pd.DataFrame(rows)
+    for split in ("test", "transfer"):
+        rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration, "split": split},
+                         frame[frame["split"] == split])
+    metrics["sealed_s"] = time.perf_counter() - began
     return metrics
 
 

@@ -3,12 +3,18 @@
 The gate is a paired bootstrap over the held-out problems (resampled within each environment): the
 challenger is promoted when the probability that its mean pass@1 beats the champion's reaches
 ``promotion.confidence``, its gain exceeds ``promotion.min_gain``, and no environment drops by more
-than ``promotion.max_regression``. The decision and its numbers go to DuckDB, MLflow tags and a
-Prefect markdown artifact.
+than ``promotion.max_regression``. When the challenger was evaluated in looks with efficacy stopping on,
+the gain's z statistic must also reach the group-sequential boundary of the look where the evaluation
+ended (see ``tasks/evaluate.py``), so the error 1 - confidence is spent across the looks, not at each.
+The decision and its numbers go to DuckDB, MLflow tags and a Prefect markdown artifact.
+
+A promoted challenger (and the base model, the first time) is then measured on the sealed splits, which
+no decision looks at: the report's champion-vs-base line shows them beside the gate's split.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
@@ -19,13 +25,27 @@ from evertrain.config import CampaignConfig, PromotionConfig
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import run_stage
-from evertrain.tasks.evaluate import challenger_of, champion_of, paired_bootstrap
+from evertrain.tasks.evaluate import (
+    challenger_of,
+    champion_of,
+    evaluate_sealed,
+    paired_bootstrap,
+    stage_metrics,
+    z_statistic,
+)
 
 
-def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int) -> dict[str, Any]:
-    """The promotion decision from paired eval rows (columns: problem_id, env, challenger, champion)."""
+def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int, boundary: float | None = None,
+           stopped_early: bool = False) -> dict[str, Any]:
+    """The promotion decision from paired eval rows (columns: problem_id, env, challenger, champion).
+
+    ``boundary``: the group-sequential z boundary of the look where the evaluation ended (None: a single
+    look). ``stopped_early``: the evaluation stopped for efficacy at an interim look, where the boundary,
+    not P(better), is the test.
+    """
     test = paired_bootstrap(frame["challenger"].to_numpy(), frame["champion"].to_numpy(),
                             frame["env"].to_numpy(), rule.bootstrap_samples, seed)
+    test["z"] = z_statistic(frame["challenger"].to_numpy(), frame["champion"].to_numpy(), frame["env"].to_numpy())
     per_env = {
         env: {"challenger": float(g["challenger"].mean()), "champion": float(g["champion"].mean()),
               "problems": len(g)}
@@ -40,9 +60,13 @@ def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int) -> dict[str, A
     elif test["gain"] <= rule.min_gain:
         promoted = False
         reason = f"kept champion: gain {test['gain']:+.3f} is not above {rule.min_gain:.3f}"
-    elif test["p_better"] < rule.confidence:
+    elif test["p_better"] < rule.confidence and not stopped_early:
         promoted = False
         reason = f"kept champion: P(better) = {test['p_better']:.3f} < {rule.confidence:.3f}"
+    elif boundary is not None and test["z"] < boundary:
+        promoted = False
+        reason = (f"kept champion: z = {test['z']:.2f} < {boundary:.2f}, the group-sequential boundary "
+                  f"(P(better) = {test['p_better']:.3f})")
     else:
         promoted = True
         reason = (f"promoted: gain {test['gain']:+.3f} (95% CI [{test['gain_low']:+.3f}, "
@@ -99,11 +123,25 @@ def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
     plt.close(figure)
 
 
+def _sealed(rt: Runtime, iteration: int, champion: int) -> dict[str, Any]:
+    """Measure the base model (once) and the new champion on the sealed splits, after the decision."""
+    if not rt.config.eval.sealed_problems and not any(s.sealed_problems for s in rt.config.environments):
+        return {}
+    base = int(rt.store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'",
+                               [rt.campaign]))
+    return evaluate_sealed(rt, iteration, [base, champion])
+
+
 def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     rule = rt.config.promotion
+    evaluated = stage_metrics(rt, iteration, "evaluate")
+    if evaluated.get("skipped"):
+        # nothing was judged: no decision row, so a skipped gate never counts as a failed one
+        return {"skipped": evaluated["skipped"], "promoted": 0.0, "points_gained": 0.0}
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
     evals = rt.store.query(
-        "SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ? AND sample = 0",
+        """SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ?
+           AND sample = 0 AND coalesce(split, 'gate') = 'gate'""",
         [rt.campaign, iteration],
     )
     if evals.empty or challenger not in set(evals["model_version"]):
@@ -112,11 +150,19 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     scores["challenger"] = scores[challenger]
     scores["champion"] = scores[champion] if champion in scores else scores[challenger]
     total = len(scores)
-    scores = scores.dropna(subset=["challenger", "champion"])  # an evaluation stopped for futility
-    decision = decide(scores, rule, seed_for(rt.config.seed, iteration, "promote"))
+    scores = scores.dropna(subset=["challenger", "champion"])  # an evaluation stopped early
+    stopped = str(evaluated.get("stopped") or "")
+    bounds = evaluated.get("efficacy_bounds")
+    look = int(evaluated.get("stopped_look", len(bounds) - 1 if bounds else 0))
+    efficacy = len(scores) < total and stopped.startswith("stopped for efficacy")
+    decision = decide(scores, rule, seed_for(rt.config.seed, iteration, "promote"),
+                      boundary=(bounds[look] if bounds[look] is not None else math.inf) if bounds else None,
+                      stopped_early=efficacy)
+    if efficacy and decision["promoted"]:
+        decision["reason"] += f"; {stopped}"
     if challenger == champion:
         decision.update(promoted=False, reason="kept champion: the challenger is the champion")
-    elif len(scores) < total:
+    elif len(scores) < total and not efficacy:
         decision.update(promoted=False, reason=(
             f"kept champion: evaluation stopped for futility after {len(scores)} of {total} problems "
             f"(gain {decision['gain']:+.3f}, P(not worse) = {decision['p_not_worse']:.3f})"))
@@ -146,6 +192,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         "promotion.promoted": decision["promoted"], "promotion.reason": decision["reason"],
         "promotion.challenger_version": challenger, "promotion.champion_version": champion,
     })
+    sealed = _sealed(rt, iteration, new_champion) if decision["promoted"] else {}
     _publish_artifacts(rt, iteration, decision, challenger, champion)
     _log_figure(rt, iteration, run_id)
     spent = float(rt.store.scalar(
@@ -155,7 +202,8 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     return {"promoted": float(decision["promoted"]), "gain": decision["gain"], "p_better": decision["p_better"],
             "iteration_dollars": spent, "points_gained": points, "points_per_dollar": points / spent if spent else 0.0,
             "gain_low": decision["gain_low"], "gain_high": decision["gain_high"],
-            "champion_version": new_champion, "failed_gates": failures, "reset_trainee": float(reset)}
+            "champion_version": new_champion, "failed_gates": failures, "reset_trainee": float(reset),
+            "z": decision["z"], **sealed}
 
 
 def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
@@ -168,7 +216,9 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
     target = to_version if to_version is not None else rt.tracker.alias("previous_champion")
     if target is None:
         raise StoreError(f"campaign {rt.campaign!r} has no previous_champion to roll back to; pass --to VERSION")
-    rt.store.model_version(rt.campaign, target)  # raises a clear error for an unknown version
+    if str(rt.store.model_version(rt.campaign, target)["kind"]).endswith("-deleted"):  # unknown: a clear error
+        raise StoreError(f"v{target} of campaign {rt.campaign!r} was deleted by checkpoint retention "
+                         "(retention.keep_challengers): it cannot be restored")
     if target == current:
         raise StoreError(f"v{target} is already the champion of campaign {rt.campaign!r}")
     rt.store.append("rollbacks", [{"campaign": rt.campaign, "rolled_back_at": now(), "from_version": current,

@@ -11,15 +11,15 @@ import time
 from typing import Any
 
 import pandas as pd
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from evertrain.cluster import SampleJob, driver_policy, sample_jobs
 from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
-from evertrain.models.episodes import Episode, sample_episodes
-from evertrain.models.policy import SamplingStats, encode_chat, load_policy
+from evertrain.models.episodes import Episode
+from evertrain.models.policy import SamplingStats, encode_chat
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 
@@ -33,27 +33,31 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
     )
     if problems.empty:
         raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
-    version = rt.trainee_version()
-    dtype = getattr(torch, config.model.rollout_dtype)
-    model, tokenizer = load_policy(rt.checkpoint(version), dtype=dtype, device=config.model.device)
+    # a rerun samples from the policy the iteration's rollouts were first made with, not from a trainee that
+    # has moved on since (the update's rerun would then find every rollout too stale and train nothing)
+    earlier = rt.store.scalar("SELECT min(policy_version) FROM rollouts WHERE campaign = ? AND iteration = ?",
+                              [rt.campaign, iteration])
+    version = rt.trainee_version() if earlier is None or earlier != earlier else int(earlier)
+    checkpoint = rt.checkpoint(version)
+    model, tokenizer = driver_policy(config, checkpoint)  # on a cluster the workers hold the model
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
-    G, gen = config.group_size, config.generation
+    G = config.group_size
     began = time.perf_counter()
     groups: list[list[Episode]] = []
     stats = SamplingStats()
+    jobs = []
+    # one environment at a time: similar lengths decode together, each with its own length limit; every
+    # group seeded by (campaign seed, iteration, problem), so its samples do not depend on its batch or worker
+    for env_name, rows in problems.groupby("env", sort=True).indices.items():
+        env_problems = [Problem(env_name, problems["problem_id"].iloc[i], problems["prompt"].iloc[i],
+                                json.loads(problems["payload"].iloc[i])) for i in rows]
+        jobs.append(SampleJob(env_name, env_problems, [prompts[i] for i in rows], config.max_new_tokens(env_name),
+                              seeds=[seed_for(config.seed, iteration, "rollout", p.id) for p in env_problems]))
     with progress(len(prompts) * G, f"rollout  i={iteration}", "completion") as bar:
-        # one environment at a time: similar lengths decode together, each with its own length limit
-        for env_name, rows in problems.groupby("env", sort=True).indices.items():
-            env = rt.env(env_name)
-            env_problems = [Problem(env_name, problems["problem_id"].iloc[i], problems["prompt"].iloc[i],
-                                    json.loads(problems["payload"].iloc[i])) for i in rows]
-            env_groups, env_stats = sample_episodes(
-                model, tokenizer, env, env_problems, [prompts[i] for i in rows], G,
-                max_new_tokens=config.max_new_tokens(env_name), temperature=gen.temperature, top_p=gen.top_p,
-                batch_size=gen.batch_size, seed=seed_for(config.seed, iteration, "rollout", env_name), progress=bar,
-            )
-            groups += env_groups
-            stats.merge(env_stats)
+        outputs, fanout = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, G, progress=bar)
+    for env_groups, env_stats in outputs:
+        groups += env_groups
+        stats.merge(env_stats)
     seconds = time.perf_counter() - began
     rows = []
     audit = []
@@ -69,6 +73,8 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
                 "loss_mask": e.loss_mask, "turns": to_json(e.turns), "finish_reason": e.finish_reason,
                 "prompt_tokens": len(prompt_ids), "completion_tokens": sum(e.loss_mask),
                 "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "rework": e.rework, "generated_at": stamp,
+                # the distribution the behaviour log-probs belong to: a replay recomputes under the same settings
+                "temperature": config.generation.temperature, "top_p": config.generation.top_p,
             })
     rt.store.replace("rollouts", {"campaign": rt.campaign, "iteration": iteration}, pd.DataFrame(rows))
     if audit:
@@ -78,7 +84,7 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
         "cached_prompt_tokens": stats.cached_prompt_tokens, "completion_tokens": stats.completion_tokens,
         "model_s": stats.forward_seconds, "tokens_per_s": stats.completion_tokens / max(seconds, 1e-9),
         "truncated_share": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
-        "tool_calls": sum(r["tool_calls"] for r in rows) / len(rows),
+        "tool_calls": sum(r["tool_calls"] for r in rows) / len(rows), **fanout,
     }
 
 

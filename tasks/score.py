@@ -13,11 +13,12 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from evertrain.cluster import verify_items
 from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.runtime import Runtime, get_runtime
-from evertrain.scoring import pop_sandbox_runs, verify_many
+from evertrain.scoring import pop_sandbox_runs
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -31,11 +32,12 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     if frame.empty:
         raise RuntimeError(f"iteration {iteration} has no rollouts: run the rollout stage first")
     items = [
-        (rt.env(row.env), Problem(row.env, row.problem_id, row.prompt, json.loads(row.payload)), row.completion)
+        (row.env, Problem(row.env, row.problem_id, row.prompt, json.loads(row.payload)), row.completion)
         for row in frame.itertuples(index=False)
     ]
     with progress(len(items), f"score    i={iteration}", "grade") as bar:
-        verdicts = verify_many(items, progress=bar)
+        # in this process, or in Ray tasks (each sandboxed on its node) when the campaign has a cluster
+        verdicts, fanout = verify_items(rt.config, rt.env, items, progress=bar)
     stamp = now()
     audit: list[dict[str, Any]] = []
     for verdict in verdicts:
@@ -56,7 +58,7 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
         "mean_reward": float(frame["reward"].mean()),
         "pass_rate": float(scores["passed"].mean()),
         "zero_variance_share": float((spread == 0).mean()),
-        "sandbox_runs": len(audit),
+        "sandbox_runs": len(audit), **fanout,
     }
     for env, rewards in frame.groupby("env")["reward"]:
         metrics[f"mean_reward_{env}"] = float(rewards.mean())

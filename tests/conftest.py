@@ -27,13 +27,18 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def store_uri(directory: Path) -> str:
+    """The embedded default store (DuckLake on a SQLite catalog) under ``directory``."""
+    return f"ducklake:sqlite:{directory / 'evertrain.sqlite'}"
+
+
 def smoke_config_in(directory: Path, models_dir: Path, **overrides: object) -> CampaignConfig:
     """configs/smoke.toml with every path moved under ``directory``."""
     config = load_config(ROOT / "configs" / "smoke.toml")
     data = config.model_dump()
     data["model"]["models_dir"] = str(models_dir)
     data["paths"] = {
-        "store": str(directory / "evertrain.duckdb"),
+        "store": store_uri(directory),
         "mlflow_uri": f"sqlite:///{directory / 'mlflow' / 'mlflow.db'}",
         "artifacts": str(directory / "mlflow" / "artifacts"),
         "checkpoints": str(directory / "checkpoints"),

@@ -346,3 +346,107 @@ def test_grader_survives_and_still_grades_after_the_hacks() -> None:
         grade(source)
     verdict, _ = grade_code(ADD, "def add(a, b):\n    return a + b", limits=LIMITS)
     assert verdict.passed
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 10's classes, found by attacking `evertrain score` with wrong answers. Each has several variants;
+# each variant earned full reward, stalled the grader or grew the host before the fix.
+
+ITERATOR_TESTS = {  # tests that pass when a StopIteration from the candidate silently ends their iterator
+    "map_all": ["assert all(map(lambda x: is_even(x) == (x % 2 == 0), [1, 2, 3, 4]))"],
+    "not_any": ["assert not any(map(lambda x: is_even(x) != (x % 2 == 0), [1, 2, 3]))"],
+    "zip_loop": ["for got, want in zip(map(is_even, [1, 2, 3]), [False, True, False]):\n    assert got == want"],
+    "dict_zip": ["assert all(v == (k % 2 == 0) for k, v in dict(zip([1, 2], map(is_even, [1, 2]))).items())"],
+    "filter": ["assert list(filter(lambda x: is_even(x) != (x % 2 == 0), [1, 2, 3])) == []"],
+    "set_map": ["assert set(map(is_even, [1, 2])) <= {True, False} and len(set(map(is_even, [1, 2]))) in (0, 2)"],
+}
+STOPPERS = ["raise StopIteration", "raise StopIteration('done')", "raise StopAsyncIteration",
+            "return next(iter([]))"]
+
+
+@pytest.mark.parametrize("test_name", sorted(ITERATOR_TESTS))
+def test_a_stopiteration_from_the_candidate_fails_iterator_tests(test_name: str) -> None:
+    problem = {"tests": ITERATOR_TESTS[test_name], "entry_point": "is_even"}
+    honest, _ = grade_code(problem, "def is_even(n):\n    return n % 2 == 0", limits=LIMITS)
+    assert honest.passed, honest.detail  # the tests are sound for a real solution
+    for stopper in STOPPERS:
+        verdict, _ = grade_code(problem, f"def is_even(n):\n    {stopper}", limits=LIMITS)
+        assert (verdict.reward, verdict.reason) == (0.0, "tests_failed"), (stopper, verdict.detail)
+
+
+HUGE_NUMBERS = ["1e999999999", "9" * 5000, "1" * 4400 + "/7", "-1e-999999999", "0." + "0" * 30000 + "1",
+                "1" + "0" * 100000, "1,000" * 20000, "$1e888888888."]
+
+
+@pytest.mark.parametrize("number", HUGE_NUMBERS, ids=lambda n: f"{n[:12]}..{len(n)}")
+def test_a_huge_number_is_refused_at_once(number: str) -> None:
+    from evertrain.envs import registry
+
+    env = registry.get("arithmetic")
+    problem = env.problems("eval", 1, 0)[0]
+    started = time.monotonic()
+    verdict = env.verify(problem, f"#### {number}")
+    assert verdict.reward == 0.0 and verdict.reason == "not_a_single_number"
+    assert time.monotonic() - started < 0.05  # bounded before anything is converted (was 32 s of GIL)
+
+
+def test_huge_numbers_do_not_make_honest_items_beside_them_time_out() -> None:
+    """One item cannot make another item's result wrong: huge-exponent answers graded on the same pool
+    as sandboxed code grades leave those grades correct (before: marked `timeout`)."""
+    from evertrain.envs import registry
+    from evertrain.scoring import verify_many
+
+    arithmetic, mbpp = registry.get("arithmetic"), registry.get("mbpp")
+    problem = arithmetic.problems("eval", 1, 0)[0]
+    code_problems = mbpp.problems("eval", 4, 0)
+    items = [(arithmetic, problem, f"#### {number}") for number in HUGE_NUMBERS * 3]
+    items += [(mbpp, p, mbpp.reference(p)) for p in code_problems]
+    started = time.monotonic()
+    verdicts = verify_many(items, workers=2)
+    assert [v.reward for v in verdicts[-len(code_problems):]] == [1.0] * len(code_problems)
+    assert all(v.reward == 0.0 for v in verdicts[:-len(code_problems)])
+    assert time.monotonic() - started < 60
+
+
+# reasoning-gym scorers with weak semantics: each variant was full credit from rg's own scorer
+RG_WEAK = [
+    # a non-number, which partial-credit formulas turn into full credit
+    ("decimal_arithmetic", "nan", "non_finite_answer"), ("power_function", "inf", "non_finite_answer"),
+    ("coin_flip", "NaN", "non_finite_answer"), ("polynomial_equations", "nan, nan", "non_finite_answer"),
+    ("decimal_chain_sum", "1e400", "over_long_number"),
+    # prefix partial credit: a short answer matched any longer oracle
+    ("coin_flip", "0", "wrong_answer"), ("coin_flip", "0.0", "wrong_answer"),
+    # the puzzle's own inputs not checked: any expression making 24, or restating the target
+    ("puzzle24", "4*6*1*1", "puzzle_inputs_not_used"), ("puzzle24", "(3 + 3)*(2 + 2)", "puzzle_inputs_not_used"),
+    ("puzzle24", "24", "puzzle_inputs_not_used"), ("countdown", "{target}", "puzzle_inputs_not_used"),
+    # symbolic scorers that evaluate what the answer says: the question restated for them to compute
+    ("simple_integration", "Integral({integrand}, {variable})", "answer_not_plain_expression"),
+    ("simple_integration", "integrate({integrand}, {variable}) + C", "answer_not_plain_expression"),
+    ("intermediate_integration", "Integral({integrand}, {variable}).doit()", "answer_not_plain_expression"),
+    ("polynomial_multiplication", "expand({polynomial_expr})", "answer_not_plain_expression"),
+    ("polynomial_multiplication", "simplify(expand({polynomial_expr}))", "answer_not_plain_expression"),
+    ("polynomial_multiplication", "({polynomial_expr}).expand()", "answer_not_plain_expression"),
+    # a premise of the question restated as the conclusion
+    ("propositional_logic", "{premise}", "wrong_answer"),
+]
+
+
+@pytest.mark.parametrize("generator, answer, reason", RG_WEAK)
+def test_weak_reasoning_gym_scorers_are_wrapped(generator: str, answer: str, reason: str) -> None:
+    from evertrain.envs import reasoning_gym as rg
+
+    env = rg.ReasoningGym(generator, reward="score", eval_size=4)
+    for problem in env.problems("eval", 4, 0):
+        meta = problem.payload["metadata"]
+        premises = [p for p in meta.get("premises", []) if any(op in p for op in "→↔∧∨")]
+        if "{premise}" in answer and not premises:
+            continue
+        text = answer.format(premise=premises[0] if premises else "", **{k: v for k, v in meta.items()
+                                                                         if isinstance(v, (str, int))})
+        verdict = env.verify(problem, f"#### {text}")
+        assert (verdict.reward, verdict.passed) == (0.0, False), (generator, text, verdict.detail)
+        assert verdict.reason == reason, (generator, text, verdict.reason, verdict.detail)
+        assert env.verify(problem, env.reference(problem)).passed  # and the right answer still passes
+        break
+    else:
+        pytest.fail(f"no {generator} problem to try {answer!r} on")

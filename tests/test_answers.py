@@ -45,3 +45,29 @@ def test_parse_number_normalizes():
 def test_malformed_expected_answer_is_an_operator_error():
     with pytest.raises(ValueError, match="malformed"):
         grade_math("#### 1", "one")
+
+
+@pytest.mark.parametrize("number", ["1e999999999", "1E+99999", "-1e-999999999", "9" * 5000, "1" * 4400 + "/7",
+                                    "7/" + "3" * 4400, "0." + "0" * 5000 + "1", "1,000" * 5000, "$" + "1" * 300])
+def test_parse_number_is_bounded(number):
+    import time
+
+    started = time.monotonic()
+    assert parse_number(number) is None
+    assert grade_math(f"#### {number}", "7").reason == "not_a_single_number"
+    assert time.monotonic() - started < 0.05
+
+
+def test_numbers_within_the_bounds_still_parse():
+    assert parse_number("1e300") == 10 ** 300 and parse_number("-2.5e-3") == parse_number("-0.0025")
+    assert parse_number("9" * 200) == int("9" * 200) and parse_number("9" * 201) is None
+
+
+def test_an_over_long_completion_is_refused_before_grading():
+    from evertrain.envs import registry
+    from evertrain.scoring import MAX_COMPLETION_CHARS, verify_safely
+
+    env = registry.get("arithmetic")
+    problem = env.problems("eval", 1, 0)[0]
+    verdict = verify_safely(env, problem, "x" * (MAX_COMPLETION_CHARS + 1) + f"\n#### {problem.payload['answer']}")
+    assert (verdict.reward, verdict.reason) == (0.0, "completion_too_long")

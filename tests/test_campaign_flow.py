@@ -52,7 +52,8 @@ def test_update_changed_the_weights(finished_campaign):
     config, rt, _ = finished_campaign
     versions = rt.store.query("SELECT * FROM model_versions WHERE campaign = ? ORDER BY version", [config.name])
     assert versions["kind"].tolist() == ["base", "lora", "lora"]
-    first, second = (Path(p) for p in versions["path"].tolist()[1:])
+    assert not any(Path(p).is_absolute() for p in versions["path"])  # relative: the state folder can move
+    first, second = (rt.checkpoint(int(v)) for v in versions["version"].tolist()[1:])
     a, b = load_file(first / "adapter_model.safetensors"), load_file(second / "adapter_model.safetensors")
     lora_b = [k for k in a if "lora_B" in k]
     assert lora_b, "the adapter has no LoRA B matrices"
@@ -102,16 +103,111 @@ def test_report_lists_every_iteration(finished_campaign, tmp_path):
     assert page.count("<img") == 1 and "data:image/png;base64," in page and "iteration 1" in page
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_rerunning_a_stage_keeps_row_counts(finished_campaign, stage):
+def test_rerunning_each_stage_keeps_rows_and_decisions(finished_campaign):
+    """Every stage of iteration 1 rerun, in the loop's order, in one test (each rerun reads what the previous
+    one wrote, so separate parametrised tests would depend on their order): row counts stay, the update
+    trains the same weights again and replaces its registration, the gate reaches the same decision."""
     config, rt, _ = finished_campaign
-    before = rt.store.counts()
-    champion = rt.tracker.alias("champion")
-    run_stage(rt, stage, 1, STAGE_FUNCTIONS[stage])
-    after = rt.store.counts()
-    # sandbox_runs is an append-only audit log; every other table must be unchanged
-    assert {k: v for k, v in after.items() if k != "sandbox_runs"} == \
-        {k: v for k, v in before.items() if k != "sandbox_runs"}
-    assert rt.tracker.alias("champion") == champion or stage in ("update", "promote")
-    status = rt.store.stage_status(config.name, 1)
-    assert status[stage] == "completed"
+    decision_columns = ["promoted", "challenger_pass1", "champion_pass1"]
+    before_decision = rt.store.query("SELECT * FROM promotions WHERE campaign = ? AND iteration = 1",
+                                     [config.name])[decision_columns].to_dict("records")
+    for stage in STAGES:
+        before = rt.store.counts()
+        champion = rt.tracker.alias("champion")
+        old_challenger = rt.tracker.alias("challenger")
+        if stage == "update":
+            old_weights = load_file(rt.checkpoint(old_challenger) / "adapter_model.safetensors")
+        run_stage(rt, stage, 1, STAGE_FUNCTIONS[stage])
+        after = rt.store.counts()
+        # sandbox_runs is an append-only audit log; every other table must be unchanged
+        assert {k: v for k, v in after.items() if k != "sandbox_runs"} == \
+            {k: v for k, v in before.items() if k != "sandbox_runs"}, stage
+        assert rt.store.stage_status(config.name, 1)[stage] == "completed"
+        if stage == "update":
+            rows = rt.store.query("SELECT version FROM model_versions WHERE campaign = ? AND iteration = 1",
+                                  [config.name])["version"].tolist()
+            new_challenger = rt.tracker.alias("challenger")
+            assert rows == [new_challenger] and new_challenger != old_challenger
+            assert rt.trainee_version() == new_challenger
+            registered = {int(v.version) for v in rt.tracker.client.search_model_versions(
+                f"name = '{config.registered_model}'")}
+            assert new_challenger in registered
+            assert old_challenger not in registered or old_challenger == champion  # never drop the champion
+            new_weights = load_file(rt.checkpoint(new_challenger) / "adapter_model.safetensors")
+            assert new_weights.keys() == old_weights.keys()
+            for key in new_weights:  # seeded from the campaign and the iteration: the same update again
+                torch.testing.assert_close(new_weights[key], old_weights[key], atol=1e-6, rtol=1e-5)
+        elif stage == "promote":
+            decision = rt.store.query("SELECT * FROM promotions WHERE campaign = ? AND iteration = 1",
+                                      [config.name])
+            assert decision[decision_columns].to_dict("records") == before_decision
+            expected = rt.tracker.alias("challenger") if bool(decision["promoted"].iloc[0]) else champion
+            assert rt.tracker.alias("champion") == expected
+        else:
+            assert rt.tracker.alias("champion") == champion, stage
+
+
+def test_each_iteration_logs_its_trajectories(finished_campaign, capsys):
+    from evertrain.cli import main
+
+    config, rt, _ = finished_campaign
+    run_id = rt.tracker.run_id(0)
+    table = rt.tracker.client.load_table(rt.tracker.experiment_id, "rollouts/iteration-0.json", run_ids=[run_id])
+    assert len(table) > 0 and {"prompt", "turns", "reward", "reason"} <= set(table.columns)
+    stored = rt.store.query("SELECT problem_id, sample, reward FROM rollouts WHERE iteration = 0")
+    first = table.iloc[0]
+    match = stored[(stored["problem_id"] == first["problem_id"]) & (stored["sample"] == first["sample"])]
+    assert float(match["reward"].iloc[0]) == float(first["reward"])
+
+    capsys.readouterr()
+    assert main(["show", "--campaign", config.name, "--iteration", "0", "--env", "digits", "--limit", "2",
+                 "--store", config.paths.store]) == 0
+    printed = capsys.readouterr().out
+    from evertrain.report import sample_rollouts
+
+    shown = sample_rollouts(rt.store, config.name, 0, env="digits", per_env=2)
+    assert len(shown) == 2 and {r["env"] for r in shown} == {"digits"}
+    assert printed.count("[1] assistant") == 2 and "arithmetic" not in printed
+    for row in shown:
+        stored = rt.store.query("SELECT reason FROM rollouts WHERE iteration = 0 AND problem_id = ? AND sample = ?",
+                                [row["problem_id"], row["sample"]])
+        assert row["problem_id"] in printed and stored["reason"].iloc[0] in printed
+    assert main(["show", "--campaign", config.name, "--iteration", "7", "--store", config.paths.store]) == 1
+
+
+def test_html_report_draws_in_a_browser(finished_campaign, tmp_path):
+    """`evertrain report --html` opened in headless Chromium: the page renders and its plot is drawn."""
+    import base64
+    import io
+    import re
+    import shutil
+    import subprocess
+
+    from PIL import Image
+
+    from evertrain.cli import main
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    config, _, _ = finished_campaign
+    page = tmp_path / "report.html"
+    assert main(["report", "--campaign", config.name, "--store", config.paths.store, "--html", str(page)]) == 0
+    inline = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page.read_text()).group(1)
+    plot = Image.open(io.BytesIO(base64.b64decode(inline)))
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", f"--screenshot={shot}",
+                    "--window-size=1300,2400", page.as_uri()], check=True, capture_output=True, timeout=120)
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1300, 2400)
+    # the plot's lines are the only saturated colours on the page (tables are black on white and grey)
+    hsv = image.convert("HSV")
+    coloured = [(i % 1300, i // 1300) for i, (_, saturation, value) in enumerate(hsv.getdata())
+                if saturation > 100 and value > 60]
+    assert len(coloured) > 500, "no plot drawn: the page shows no coloured lines"
+    xs, ys = [x for x, _ in coloured], [y for _, y in coloured]
+    # drawn at its own size (CSS pixels = PNG pixels), near the top, below the heading
+    assert max(xs) - min(xs) > 0.5 * plot.width and max(xs) <= 40 + plot.width
+    assert max(ys) - min(ys) > 0.4 * plot.height and max(ys) < 200 + plot.height

@@ -13,7 +13,9 @@ import pytest
 
 from evertrain.data.store import Store
 from evertrain.tasks import STAGES
-from tests.conftest import smoke_config_in
+from tests.conftest import smoke_config_in, store_uri
+
+POINTS = ("start", "before_commit", "end")  # every point evertrain.faults.maybe_kill is called with
 
 
 def _run(config_file: Path, cwd: Path, api_url: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
@@ -25,7 +27,7 @@ def _run(config_file: Path, cwd: Path, api_url: str, kill_at: str | None = None)
                            "--iterations", "1"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _snapshot(store_path: Path) -> dict[str, list[tuple]]:
+def _snapshot(store_path: str) -> dict[str, list[tuple]]:
     store = Store(store_path, read_only=True)
     try:
         queries = {
@@ -62,19 +64,20 @@ def test_kill_in_every_stage_then_resume(tmp_path, models_dir, api_url):
     crashed_dir.mkdir()
     result = _run(_campaign(reference_dir, models_dir), reference_dir, api_url)
     assert result.returncode == 0, result.stderr[-3000:]
-    expected = _snapshot(reference_dir / "evertrain.duckdb")
+    expected = _snapshot(store_uri(reference_dir))
 
     config_file = _campaign(crashed_dir, models_dir)
-    # each run resumes the stages the previous one finished and dies inside the next one's write
-    for stage in STAGES:
-        result = _run(config_file, crashed_dir, api_url, kill_at=f"{stage}:before_commit")
-        assert result.returncode == -signal.SIGKILL, (stage, result.returncode, result.stderr[-3000:])
-        status = {row[1]: row[2] for row in _snapshot(crashed_dir / "evertrain.duckdb")["stage_runs"]}
+    # each run resumes the stages the previous one finished and dies in the next one, at each fault-injection
+    # point in turn: as it starts, inside its first write before the commit, after its work is stored
+    for stage, point in zip(STAGES, POINTS * 2, strict=True):
+        result = _run(config_file, crashed_dir, api_url, kill_at=f"{stage}:{point}")
+        assert result.returncode == -signal.SIGKILL, (stage, point, result.returncode, result.stderr[-3000:])
+        status = {row[1]: row[2] for row in _snapshot(store_uri(crashed_dir))["stage_runs"]}
         assert status[stage] == "running", (stage, status)
     result = _run(config_file, crashed_dir, api_url)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    assert _snapshot(crashed_dir / "evertrain.duckdb") == expected
+    assert _snapshot(store_uri(crashed_dir)) == expected
 
     # the iteration's MLflow run was continued, not duplicated, and is not left running
     import mlflow
@@ -87,4 +90,22 @@ def test_kill_in_every_stage_then_resume(tmp_path, models_dir, api_url):
     # the killed update's orphan registration was cleaned up: base + one challenger
     versions = client.search_model_versions("name = 'evertrain-crash'")
     assert len(versions) == 2, [v.version for v in versions]
-    assert mlflow.get_tracking_uri()  # mlflow imported and usable in this process
+    # the surviving challenger is complete in MLflow: weights, manifest and the optimizer state it continues from
+    challenger = client.get_model_version_by_alias("evertrain-crash", "challenger")
+    logged = Path(mlflow.artifacts.download_artifacts(artifact_uri=challenger.source))
+    assert {"evertrain_checkpoint.json", "adapter_model.safetensors", "optimizer.pt"} <= \
+        {p.name for p in logged.iterdir()}
+
+
+def test_every_fault_injection_point_is_exercised():
+    """The kill test above must cover every point the code can be killed at: a new point fails this."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    used: set[str] = set()
+    for source in [*root.glob("tasks/*.py"), *root.glob("evertrain/**/*.py"), *root.glob("flows/*.py"),
+                   *root.glob("models/*.py")]:
+        text = source.read_text()
+        used |= set(re.findall(r'maybe_kill\("(\w+)"\)', text))
+        used |= set(re.findall(r'faults_point: str \| None = "(\w+)"', text))
+    assert used == set(POINTS), f"fault-injection points in the code {sorted(used)} vs exercised {POINTS}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from evertrain.data.store import Store
-from tests.conftest import smoke_config_in
+from tests.conftest import smoke_config_in, store_uri
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +58,17 @@ def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
     config = _config_file(tmp_path, models_dir, "served")
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "EVERTRAIN_KILL_AT")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), EVERTRAIN_PROGRESS="0")
-    server = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "serve", "--config", str(config),
-                               "--interval", "3", "--port", "4311"], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # output to a file: the runner logs every skipped schedule, and an undrained pipe would stall it
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "serve", "--config", str(config),
+                                   "--interval", "3", "--port", "4311"], cwd=tmp_path, env=env,
+                                  stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
+        # generous: on a shared 2-core machine the server's start alone took minutes
+        deadline = time.monotonic() + 900
         while _finished_runs(tmp_path, "served") < 2 and time.monotonic() < deadline:
-            assert server.poll() is None, server.stdout.read()[-3000:]
+            assert server.poll() is None, log.read_text()[-3000:]
             time.sleep(2)
     finally:
         server.send_signal(signal.SIGINT)
@@ -73,7 +77,7 @@ def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
         except subprocess.TimeoutExpired:
             server.kill()
     assert _finished_runs(tmp_path, "served") >= 2
-    store = Store(tmp_path / "evertrain.duckdb", read_only=True)
+    store = Store(store_uri(tmp_path), read_only=True)
     done = store.query("SELECT iteration FROM promotions ORDER BY iteration")["iteration"].tolist()
     flow_runs = store.query("SELECT DISTINCT flow_run_id FROM stage_runs WHERE flow_run_id IS NOT NULL")
     store.close()
@@ -86,8 +90,10 @@ def test_second_concurrent_run_is_refused_without_damage(tmp_path, models_dir, a
     command = [sys.executable, "-m", "evertrain.cli", "run", "--config", str(config)]
     first = subprocess.Popen([*command, "--iterations", "3"], cwd=tmp_path, env=_env(api_url),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the first run has claimed the campaign once its pid is in the claim's lock file
+    claim = tmp_path / "evertrain.sqlite.busy.campaign-lock"
     deadline = time.monotonic() + 120
-    while not (tmp_path / "evertrain.duckdb").exists() and time.monotonic() < deadline:
+    while not (claim.exists() and claim.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.2)
     second = subprocess.run([*command, "--iterations", "1"], cwd=tmp_path, env=_env(api_url),
                             capture_output=True, text=True, timeout=120)
@@ -95,7 +101,7 @@ def test_second_concurrent_run_is_refused_without_damage(tmp_path, models_dir, a
     assert first.returncode == 0, err[-3000:]
     assert second.returncode == 2, second.stderr[-3000:]
     assert "in use by another process" in second.stderr and "Traceback" not in second.stderr
-    store = Store(tmp_path / "evertrain.duckdb", read_only=True)
+    store = Store(store_uri(tmp_path), read_only=True)
     counts = store.query("SELECT iteration, count(*) AS n FROM rollouts GROUP BY iteration ORDER BY iteration")
     stages = store.query("SELECT status, count(*) AS n FROM stage_runs GROUP BY status")
     store.close()

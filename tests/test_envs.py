@@ -49,3 +49,87 @@ def test_same_seed_same_problems():
 def test_unknown_environment_lists_known_names():
     with pytest.raises(registry.UnknownEnvironment, match="arithmetic"):
         registry.get("chess")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The verifier self-test: an API every environment implements (known_good, known_bad, oracle_answer,
+# write_answer), run by `evertrain envs --validate` and by a campaign before it trains on an environment.
+
+ANSWER_LABELS = {"empty", "junk", "non_finite", "zero", "one", "other_problem", "restated", "hedge",
+                 "over_long_number"}
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "gsm8k", "sql", "gsm8k-tools"])
+def test_answer_environments_pass_the_whole_battery(name):
+    from evertrain.envs.quality import validate
+
+    report = validate(registry.get(name), problems=1)
+    assert report.ok, report.failures
+    labels = report.by_label()
+    assert set(labels) >= ANSWER_LABELS, set(labels)
+    assert all(entry["failed"] == 0 for entry in labels.values())
+    assert all(case.reward == 0.0 for case in report.cases if case.expect == 0.0)  # exactly 0, not small
+
+
+def test_code_environment_battery_includes_its_own_bad_answers():
+    from evertrain.envs.quality import validate
+
+    report = validate(registry.get("mbpp"), problems=1)
+    assert report.ok, report.failures
+    expected = {"stop_iteration", "other_problem", "zero", "one", "non_finite", "restated", "hack"}
+    assert set(report.by_label()) >= expected
+
+
+def test_a_new_environment_plugs_into_the_self_test():
+    from evertrain.envs.arithmetic import Arithmetic
+    from evertrain.envs.quality import validate
+
+    class Units(Arithmetic):
+        name = "units-test"
+
+        def known_good(self, problem):
+            return [f"#### {problem.payload['answer']}", f"\\boxed{{{problem.payload['answer']}}}"]
+
+        def known_bad(self, problem, other):
+            return [("negated", f"#### -{problem.payload['answer']}0")]
+
+    report = validate(Units(), problems=1)
+    assert report.ok, report.failures
+    assert report.by_label()["negated"]["cases"] == 2 and report.by_label()["good"]["cases"] == 4
+
+
+@pytest.mark.parametrize("credits, label", [
+    ("nan", "non_finite"), ("0", "zero"), ("1e999999999", "over_long_number"), (" or ", "hedge"),
+])
+def test_a_verifier_that_credits_a_bad_answer_fails_its_self_test(credits, label):
+    from evertrain.envs.arithmetic import Arithmetic
+    from evertrain.envs.base import Verdict
+    from evertrain.envs.quality import validate
+
+    class Gullible(Arithmetic):
+        def verify(self, problem, completion):
+            if credits in completion:
+                return Verdict.ok()
+            return super().verify(problem, completion)
+
+    report = validate(Gullible(), problems=1)
+    assert not report.ok
+    assert report.by_label()[label]["failed"] > 0, report.failures
+
+
+def test_envs_validate_json_parses_and_progress_goes_to_stderr():
+    import json
+    import subprocess
+    import sys
+
+    # rg:bf's generator prints dots to stdout while it builds problems: they must not reach the JSON
+    result = subprocess.run([sys.executable, "-m", "evertrain.cli", "envs", "--validate", "1", "--json",
+                             "--env", "arithmetic", "--env", "rg:coin_flip", "--env", "rg:bf"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(result.stdout)  # nothing but the JSON on stdout
+    assert [row["name"] for row in rows] == ["arithmetic", "rg:coin_flip", "rg:bf"]
+    for row in rows:
+        assert row["selftest"]["status"] == "ok" and row["selftest"]["cases"] > 20
+        assert row["selftest"]["by_label"]["zero"]["failed"] == 0
+    assert "self-test arithmetic" in result.stderr

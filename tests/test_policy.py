@@ -104,3 +104,39 @@ def test_concurrent_loads_get_real_weights(tiny):
     for thread in threads:
         thread.join()
     assert not failures, failures[:2]
+
+
+def test_chunked_and_unshared_logprobs_equal_the_full_computation(tiny):
+    """Chunked log-probs (no whole-batch vocabulary tensor) and the no-cache path give the same values and
+    the same gradients as the full computation; top-p log-probs are those of the renormalized nucleus."""
+    checkpoint, _, tokenizer, prompts = tiny
+    model, _ = load_policy(checkpoint, trainable=True)
+    model.eval()  # no dropout: the three paths must see the same function
+    groups, _ = sample(load_policy(checkpoint)[0], tokenizer, prompts[:2], 3, max_new_tokens=10, seed=2)
+    completions = [[s.completion_ids for s in g] for g in groups]
+    results = []
+    for options in ({}, {"chunk": 3}, {"shared_prefix": False}, {"shared_prefix": False, "chunk": 4}):
+        model.zero_grad()
+        logps, mask = grouped_logprobs(model, prompts[:2], completions, temperature=0.8, pad_id=0, **options)
+        (logps * mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((logps.detach() * mask, grads))
+    for logps, grads in results[1:]:
+        assert torch.allclose(logps, results[0][0], atol=1e-5)
+        assert torch.allclose(grads, results[0][1], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        nucleus, _ = grouped_logprobs(model, prompts[:2], completions, temperature=0.8, top_p=0.5, pad_id=0)
+    inside = torch.isfinite(nucleus) & mask
+    assert bool((nucleus[inside] >= results[0][0][inside] - 1e-6).all())  # renormalized: never less likely
+
+
+def test_sampled_logprobs_are_those_of_the_top_p_distribution(tiny):
+    _, model, tokenizer, prompts = tiny
+    groups, _ = sample(model, tokenizer, prompts, 3, max_new_tokens=8, temperature=0.9, top_p=0.6, seed=3)
+    with torch.no_grad():
+        logps, mask = grouped_logprobs(model, prompts, [[s.completion_ids for s in g] for g in groups],
+                                       temperature=0.9, top_p=0.6, pad_id=tokenizer.pad_token_id)
+    stored = torch.zeros_like(logps)
+    for row, s in enumerate(s for g in groups for s in g):
+        stored[row, :len(s.logprobs)] = torch.tensor(s.logprobs)
+    assert float(((logps - stored).abs() * mask).max()) < 1e-4

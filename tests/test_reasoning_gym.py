@@ -117,14 +117,21 @@ def test_every_generator(graded, generator):
             assert (verdict.reward, verdict.passed, verdict.reason) == (1.0, True, "correct"), verdict.detail
         again, first = g.verdicts["reference_again"], g.verdicts["reference"]
         assert (again.reward, again.reason, again.detail["rg_score"]) == (first.reward, first.reason, 1.0)
-        row = first.detail["sandbox_runs"][0]
-        assert row["purpose"] == rg.SCORER_PURPOSE and isinstance(row["started_at"], str)
-        assert row["exit_code"] == 0 and row["limit_hit"] is None
+        if rg.SYMBOLIC.get(generator) == "arithmetic":  # puzzles are plain tokens, evaluated exactly here
+            assert first.detail["sandbox_runs"] == []
+        else:  # one scorer run; two for symbolic answers (reduced where no oracle is, then scored)
+            rows = first.detail["sandbox_runs"]
+            assert len(rows) == (2 if generator in rg.SYMBOLIC else 1)
+            for row in rows:
+                assert row["purpose"] == rg.SCORER_PURPOSE and isinstance(row["started_at"], str)
+                assert row["exit_code"] == 0 and row["limit_hit"] is None
         json.dumps(first.detail)
     assert (g.verdicts["empty"].reward, g.verdicts["empty"].reason) == (0.0, "no_final_answer")
     wrong = g.verdicts["wrong"]
     assert wrong.reward == 0.0 and not wrong.passed, wrong.detail
-    assert wrong.reason in ("wrong_answer", "partial_credit", "scorer_raised"), (wrong.reason, wrong.detail)
+    expected = ("answer_not_plain_expression",) if generator in rg.SYMBOLIC else (
+        "wrong_answer", "partial_credit", "scorer_raised")
+    assert wrong.reason in expected, (wrong.reason, wrong.detail)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,19 +250,75 @@ def test_multiline_answers_are_written_with_backslash_n():
                       "for i in range(1, 5)] if 'nonce' in f.f_locals]", "name "),
 ])
 def test_an_answer_that_a_scorer_evals_cannot_forge_a_grade(generator, answer, blocked):
+    # Answers are no longer evaluated at all: the list-reading scorers get a literal-only eval (the answer
+    # is data or it is nothing), the sympy ones a token allowlist and a reduction to plain data. The audit
+    # hook stays behind both, so either way the grade is 0.
     env = rg.ReasoningGym(generator, reward="score", eval_size=1)
     problem = env.problems("eval", 1, 0)[0]
     verdict = env.verify(problem, f"#### {answer}")
-    assert (verdict.reward, verdict.passed, verdict.reason) == (0.0, False, "answer_blocked"), verdict.detail
-    assert any(blocked in item for item in verdict.detail["blocked"])
+    assert (verdict.reward, verdict.passed) == (0.0, False), verdict.detail
+    assert verdict.reason in ("answer_not_plain_expression", "wrong_answer", "answer_blocked"), verdict.detail
+    if verdict.reason == "answer_blocked":
+        assert any(blocked in item for item in verdict.detail["blocked"])
 
 
-@pytest.mark.parametrize("generator", ["binary_matrix", "gsm_symbolic"])
+def test_the_scorer_that_evaluates_an_answer_never_holds_the_oracle(monkeypatch):
+    """A symbolic grade runs two sandboxes: the answer alone, reduced to a plain-data tree; then the
+    oracle with that tree. The oracle never reaches the first, the answer's text never the second."""
+    env = rg.ReasoningGym("polynomial_multiplication", eval_size=1)
+    problem = env.problems("eval", 1, 0)[0]
+    requests = []
+    real = rg.run_python
+
+    def spy(source, **kwargs):
+        requests.append(json.loads(kwargs["stdin"]))
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(rg, "run_python", spy)
+    oracle = problem.payload["answer"]
+    answer = oracle.replace(" ", "")  # the right answer, written differently from the oracle's text
+    verdict = env.verify(problem, f"#### {answer}")
+    assert verdict.passed, verdict.detail
+    reduce, score = requests
+    assert reduce["mode"] == "reduce" and "entry" not in reduce and oracle not in json.dumps(reduce)
+    assert score["answer"] == "" and answer not in json.dumps(score) and isinstance(score["tree"], list)
+
+
+@pytest.mark.parametrize("answer", [
+    "'{0.__class__.__mro__}'.format(1)",
+    "[x for x in '{0.gi_frame.f_back.f_locals}'.format((y for y in []))]",
+    "'{.__globals__[nonce]}'.format(len)",
+    "[[1 if c == '1' else 0 for c in row] for row in '{0.f_back.f_locals[entry][answer]}'.format(0).split()]",
+])
+def test_format_field_walks_to_the_scorers_frames_earn_nothing(answer):
+    # str.format walks attributes named inside a string constant, where the hook's name check never looked
+    for generator in ("binary_matrix", "n_queens"):
+        env = rg.ReasoningGym(generator, reward="score", eval_size=1)
+        problem = env.problems("eval", 1, 0)[0]
+        verdict = env.verify(problem, f"#### {answer}")
+        assert verdict.reward == 0.0 and not verdict.passed, (generator, verdict.detail)
+
+
+# the generators whose scorers are wrapped (SCORER_FIXES, SYMBOLIC, INPUT_CHECKS) or eval the answer
+WRAPPED = sorted({*rg.SCORER_FIXES, *rg.SYMBOLIC, *rg.INPUT_CHECKS, "binary_matrix", "gsm_symbolic",
+                  "bitwise_arithmetic", "number_sorting"})
+
+
+@pytest.mark.parametrize("generator", WRAPPED)
 def test_quality_validation_passes(generator):
+    """The verifier self-test of every wrapped generator (the CLI and CI run it for all 106)."""
     from evertrain.envs.quality import validate
 
     report = validate(rg.ReasoningGym(generator, eval_size=1), problems=1)
     assert report.ok, report.failures
+    assert report.by_label()["good"]["cases"] >= 1
+
+
+def test_items_whose_oracle_is_an_unevaluated_integral_are_left_out():
+    env = rg.ReasoningGym("intermediate_integration", eval_size=60)
+    problems = env.problems("eval", 60, 0) + env.problems("train", 60, 1)
+    assert len(env.problems("eval", 60, 0)) == 60
+    assert not any("Integral" in p.payload["answer"] for p in problems)
 
 
 def test_a_fake_score_line_in_a_decoded_answer_earns_nothing():

@@ -142,7 +142,8 @@ def test_fork_bomb_is_contained() -> None:
     assert time.monotonic() - started < FAST.timeout_s + 1
     # the host can still start processes, and nothing of the bomb is left
     assert subprocess.run(["true"]).returncode == 0
-    assert "prelude.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    uids = subprocess.run(["ps", "-eo", "uid="], capture_output=True, text=True).stdout.split()
+    assert record.uid is None or str(record.uid) not in uids  # (other sandboxes may run beside this test)
 
 
 def test_file_size_limit() -> None:
@@ -224,3 +225,116 @@ def test_peak_memory_is_the_jobs_even_from_a_large_parent():
     assert record.exit_code == 0
     assert 30 * 1024 < record.peak_rss_kb < 200 * 1024
     del ballast
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole-tree limits: memory and CPU count for every process of the sandbox (a cgroup per run, or the
+# tree watcher where no cgroup can be made). Before, each child got its own RLIMIT_AS: six children of
+# 200 MB under a 256 MB limit raised host memory by over a gigabyte and the audit said a few MB.
+
+TREE = Limits(timeout_s=20, cpu_s=5, memory_mb=256, nproc=32)
+FORK_HOGS = {
+    "fork": """
+import os, time
+kids = []
+for i in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(150 * 1024 * 1024)
+        block[::4096] = b"x" * len(block[::4096])
+        time.sleep(2)
+        os._exit(0)
+    kids.append(pid)
+print([os.waitpid(k, 0)[1] for k in kids])
+""",
+    "grandchildren": """
+import os, time
+def hog(depth):
+    if depth and os.fork() == 0:
+        hog(depth - 1)
+        os._exit(0)
+    block = bytearray(120 * 1024 * 1024)
+    block[::4096] = b"x" * len(block[::4096])
+    time.sleep(2)
+hog(4)
+""",
+    "threads": """
+import threading, time
+blocks = []
+def hog():
+    block = bytearray(100 * 1024 * 1024)
+    block[::4096] = b"x" * len(block[::4096])
+    blocks.append(block)
+    time.sleep(2)
+threads = [threading.Thread(target=hog) for _ in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+""",
+}
+
+
+def _tree_limit_holds(record: SandboxRunRecord, limits: Limits) -> None:
+    assert record.limit_hit == "memory", record
+    assert record.peak_rss_kb is not None
+    assert record.peak_rss_kb <= limits.memory_mb * 1024 * 1.05  # the tree's peak, held at the limit
+
+
+@pytest.mark.parametrize("name", sorted(FORK_HOGS))
+def test_memory_limit_holds_for_the_whole_process_tree(name: str) -> None:
+    from evertrain.sandbox import cgroup
+
+    record = run_python(FORK_HOGS[name], limits=TREE)
+    if name == "threads":  # one address space: RLIMIT_AS refuses the third block, inside its thread
+        assert "MemoryError" in record.stderr
+        if cgroup.backend() is not None:
+            assert record.peak_rss_kb is not None and record.peak_rss_kb <= TREE.memory_mb * 1024 * 1.05
+        return
+    _tree_limit_holds(record, TREE)
+
+
+def test_tree_watcher_holds_where_no_cgroup_can_be_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evertrain.sandbox import cgroup
+
+    monkeypatch.setenv(cgroup.DISABLE_ENV, "1")
+    cgroup.backend.cache_clear()
+    try:
+        assert cgroup.backend() is None
+        record = run_python(FORK_HOGS["fork"], limits=TREE)
+        assert record.limit_hit == "memory" and record.signal == 9  # the watcher killed the whole run
+        assert record.peak_rss_kb is not None and record.peak_rss_kb > 100 * 1024
+    finally:
+        monkeypatch.delenv(cgroup.DISABLE_ENV)
+        cgroup.backend.cache_clear()
+
+
+def test_cpu_of_children_is_counted() -> None:
+    spin = """
+import os, time
+def spin():
+    end = time.process_time() + 0.6
+    while time.process_time() < end:
+        pass
+kids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        spin(); os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
+"""
+    record = run_python(spin, limits=TREE)
+    assert record.exit_code == 0 and record.cpu_s >= 1.1
+
+
+def test_each_run_gets_its_own_cgroup_and_it_is_removed() -> None:
+    from evertrain.sandbox import cgroup
+
+    backend = cgroup.backend()
+    if backend is None:
+        pytest.skip("no writable cgroup here: the tree watcher stands in (tested above)")
+    before = {path for base in backend.bases.values() for path in base.glob("evertrain-*")}
+    record = run_python("import os; print(open('/proc/self/cgroup').read())")
+    assert record.exit_code == 0
+    cgroup.drain()  # groups are removed by a background thread, off the grade's critical path
+    after = {path for base in backend.bases.values() for path in base.glob("evertrain-*")}
+    assert after <= before  # removed (runs of other tests may come and go meanwhile)

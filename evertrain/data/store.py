@@ -1,18 +1,39 @@
-"""The trajectory store: every problem, rollout, reward, evaluation and decision, in one DuckDB file.
+"""The trajectory store: every problem, rollout, reward, evaluation and decision, behind one URI.
 
-One process writes at a time (DuckDB locks the file against other processes, readers included), so the
-flow's process owns one connection and every stage writes through it. Writes are bulk (pandas frames
-scanned by DuckDB, never ``executemany``) and rerun-safe: a stage deletes the rows of its own key scope
-and inserts the new ones in one transaction, so rerunning a stage never duplicates a row and a crash
-mid-write never leaves half of one.
+Where it lives is one setting, ``paths.store`` (or ``EVERTRAIN_STORE``):
+
+``ducklake:sqlite:data/evertrain.sqlite`` (the default)
+    DuckLake: a SQLite catalog file plus Parquet data files beside it (``data/evertrain.files/``).
+    Any number of processes read consistent snapshots while a campaign writes (a plain DuckDB file
+    refuses even a read-only connection from another process while its writer holds it).
+``ducklake:postgres:dbname=evertrain host=db port=5432 user=u?data_path=/shared/lake/``
+    The same tables with the catalog in PostgreSQL and the data files on a path every machine sees:
+    what a team runs. ``?data_path=`` names the data folder (required here).
+``data/evertrain.duckdb`` (any other value: a file path)
+    The previous store, one DuckDB file: one process at a time, readers included.
+
+Writes are bulk (pandas frames scanned by DuckDB, never ``executemany``) and rerun-safe: a stage
+deletes the rows of its own key scope and inserts the new ones in one transaction, so rerunning a
+stage never duplicates a row and a crash mid-write (SIGKILL included) leaves either the old rows or
+the new ones: a DuckLake commit is one catalog transaction that makes the already written Parquet
+files visible, so a killed writer leaves at most unreferenced files, which ``compact`` deletes.
+DuckLake has no primary keys, so the keys below are kept by the code: every insert first deletes
+the rows with the same key, in the same transaction.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import re
+import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +42,9 @@ import duckdb
 import pandas as pd
 
 from evertrain import faults
+
+DEFAULT_STORE = "ducklake:sqlite:data/evertrain.sqlite"
+LAKE = "lake"  # the name the DuckLake catalog is attached as (and made the default database)
 
 SCHEMA_VERSION = 1
 
@@ -43,6 +67,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     prompt_tokens INTEGER, completion_tokens INTEGER, tool_calls INTEGER, tool_errors INTEGER, rework INTEGER,
     generated_at TIMESTAMPTZ,
     reward DOUBLE, passed BOOLEAN, reason VARCHAR, detail JSON, scored_at TIMESTAMPTZ,
+    temperature DOUBLE, top_p DOUBLE,  -- what the behaviour log-probs were sampled with (replays use them)
     PRIMARY KEY (campaign, iteration, problem_id, sample)
 );
 
@@ -52,6 +77,8 @@ CREATE TABLE IF NOT EXISTS evals (
     completion VARCHAR, completion_tokens INTEGER, turns JSON, tool_calls INTEGER, tool_errors INTEGER,
     rework INTEGER, reward DOUBLE, passed BOOLEAN, reason VARCHAR, reused_from INTEGER,
     created_at TIMESTAMPTZ,
+    split VARCHAR,     -- gate (what promotion compares), test or transfer (sealed: never seen by the gate)
+    gen_key VARCHAR,   -- hash of how the answer was generated: rows are reused only when it matches
     PRIMARY KEY (campaign, iteration, model_version, problem_id, sample)
 );
 
@@ -94,6 +121,18 @@ CREATE TABLE IF NOT EXISTS rollbacks (
     PRIMARY KEY (campaign, rolled_back_at)
 );
 
+CREATE TABLE IF NOT EXISTS mix (    -- the adaptive environment mix: each environment's share, per iteration, and why
+    campaign VARCHAR, iteration INTEGER, env VARCHAR, weight DOUBLE, share DOUBLE, problems INTEGER,
+    groups INTEGER, pass_rate DOUBLE, informative_share DOUBLE, learnability DOUBLE, reason VARCHAR,
+    created_at TIMESTAMPTZ,
+    PRIMARY KEY (campaign, iteration, env)
+);
+
+CREATE TABLE IF NOT EXISTS sft_examples (    -- the rollouts the optional sft stage trained on (sft.select)
+    campaign VARCHAR, iteration INTEGER, source_iteration INTEGER, problem_id VARCHAR, sample INTEGER, env VARCHAR,
+    PRIMARY KEY (campaign, iteration, source_iteration, problem_id, sample)
+);
+
 CREATE TABLE IF NOT EXISTS sandbox_runs (
     run_id VARCHAR PRIMARY KEY, campaign VARCHAR, iteration INTEGER, purpose VARCHAR,
     code_sha256 VARCHAR, limits JSON, exit_code INTEGER, signal INTEGER,
@@ -103,7 +142,47 @@ CREATE TABLE IF NOT EXISTS sandbox_runs (
 """
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
-          "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs")
+          "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples")
+
+
+def _keys_from_schema(schema: str) -> dict[str, tuple[str, ...]]:
+    """Each table's key columns, read from its PRIMARY KEY clause (one source of truth for both backends)."""
+    keys: dict[str, tuple[str, ...]] = {}
+    schema = re.sub(r"--[^\n]*", "", schema)  # comments may hold parentheses
+    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", schema, re.S):
+        if found := re.search(r"PRIMARY KEY \(([^)]*)\)", body):
+            keys[table] = tuple(c.strip() for c in found.group(1).split(","))
+        elif found := re.search(r"(\w+) \w+ PRIMARY KEY", body):
+            keys[table] = (found.group(1),)
+    return keys
+
+
+def _columns_from_schema(schema: str) -> dict[str, list[tuple[str, str]]]:
+    """Each table's (column, type) pairs, in order."""
+    columns: dict[str, list[tuple[str, str]]] = {}
+    schema = re.sub(r"--[^\n]*", "", schema)
+    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", schema, re.S):
+        body = re.sub(r",\s*PRIMARY KEY \([^)]*\)", "", body).replace(" PRIMARY KEY", "")
+        columns[table] = [tuple(part.split(None, 1)) for part in (p.strip() for p in body.split(",")) if part]
+    return columns
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """Columns the schema gained since a store was created are added to it (NULL in older rows)."""
+    have: dict[str, set[str]] = {}
+    for table, column in con.execute("SELECT table_name, column_name FROM information_schema.columns "
+                                     "WHERE table_catalog = current_database()").fetchall():
+        have.setdefault(table, set()).add(column)
+    for table, columns in _columns_from_schema(SCHEMA).items():
+        for column, kind in columns:
+            if table in have and column not in have[table]:
+                con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+KEYS = _keys_from_schema(SCHEMA)
+# DuckLake refuses PRIMARY KEY/UNIQUE constraints: the same tables without them (keys kept by the code)
+LAKE_SCHEMA = re.sub(r" PRIMARY KEY", "", re.sub(r",\s*PRIMARY KEY \([^)]*\)", "",
+                                                 re.sub(r"--[^\n]*", "", SCHEMA)))
 
 
 class StoreError(RuntimeError):
@@ -118,45 +197,235 @@ def to_json(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
+def extension_dir() -> Path:
+    """Where the DuckDB extension wheels (duckdb-ext-ducklake, -sqlite, -postgres) put their files."""
+    import duckdb_ext  # type: ignore[import-not-found]  # namespace package of the duckdb-ext-* wheels
+
+    base = Path(next(iter(duckdb_ext.__path__)))
+    return base / "extensions" / f"v{duckdb.__version__}" / "linux_amd64"
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """A parsed ``paths.store`` value (see the module docstring for the three forms)."""
+
+    kind: str  # "ducklake" or "duckdb"
+    catalog: str = ""  # "sqlite" or "postgres"
+    target: str = ""  # the SQLite catalog file, the Postgres connection string, or the DuckDB file
+    data_path: str = ""
+
+    @classmethod
+    def parse(cls, uri: str | Path) -> StoreLocation:
+        text = str(uri)
+        if not text.startswith("ducklake:"):
+            return cls("duckdb", target=str(Path(text).resolve()))
+        rest, _, data_path = text.removeprefix("ducklake:").partition("?data_path=")
+        catalog, _, target = rest.partition(":")
+        if catalog == "sqlite":
+            if not target:
+                raise StoreError(f"store URI {text!r} names no SQLite catalog file: ducklake:sqlite:<file>")
+            target = str(Path(target).resolve())
+            data_path = str(Path(data_path).resolve()) if data_path else str(Path(target).with_suffix(".files"))
+        elif catalog == "postgres":
+            if not data_path:
+                raise StoreError(f"store URI {text!r} has no data path: a Postgres catalog is shared by machines, "
+                                 "so name a folder they all see, e.g. '...?data_path=/shared/evertrain-lake/'")
+            if "://" not in data_path:
+                data_path = str(Path(data_path).resolve())
+        else:
+            raise StoreError(f"store URI {text!r}: the catalog must be 'sqlite' or 'postgres' "
+                             "(ducklake:sqlite:<file> or ducklake:postgres:<connection string>?data_path=<folder>)")
+        return cls("ducklake", catalog, target, data_path.rstrip("/") + "/")
+
+    @property
+    def uri(self) -> str:
+        """The absolute URI (what a flow run started from another directory must be given)."""
+        if self.kind == "duckdb":
+            return self.target
+        default = self.catalog == "sqlite" and self.data_path == f"{Path(self.target).with_suffix('.files')}/"
+        suffix = "" if default else f"?data_path={self.data_path}"
+        return f"ducklake:{self.catalog}:{self.target}{suffix}"
+
+    def describe(self) -> str:
+        if self.kind == "duckdb":
+            return f"DuckDB file {self.target}"
+        where = self.target if self.catalog == "sqlite" else _hide_password(self.target)
+        return f"DuckLake ({self.catalog} catalog {where}, data {self.data_path})"
+
+    def exists(self) -> bool:
+        """Whether there is anything to read yet (a Postgres catalog is assumed to exist)."""
+        if self.kind == "duckdb" or self.catalog == "sqlite":
+            return Path(self.target).exists()
+        return True
+
+
+def resolve_uri(uri: str | Path) -> str:
+    """``uri`` with its relative paths made absolute."""
+    return StoreLocation.parse(uri).uri
+
+
+def _hide_password(conninfo: str) -> str:
+    return re.sub(r"password=\S+", "password=***", conninfo)
+
+
+def connect_lake(location: StoreLocation, read_only: bool = False,
+                 con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the DuckLake store attached as ``lake`` and used by default.
+
+    This is also the notebook recipe: ``con = connect_lake(StoreLocation.parse(uri), read_only=True)``.
+    The extensions are loaded from the installed wheels by path: nothing is downloaded (this machine
+    has no internet, and autoinstall would try).
+    """
+    if con is None:
+        con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+    folder = extension_dir()
+    scanner = "sqlite_scanner" if location.catalog == "sqlite" else "postgres_scanner"
+    for name in ("ducklake", scanner):
+        path = folder / f"{name}.duckdb_extension"
+        if not path.exists():
+            raise StoreError(f"DuckDB extension {name} is not installed ({path} missing): "
+                             f"pip install duckdb-ext-{name.removesuffix('_scanner')}=={duckdb.__version__}.20260205")
+        con.execute(f"LOAD '{path}'")
+    if location.catalog == "sqlite":
+        catalog = Path(location.target)
+        if read_only and not catalog.exists():
+            raise StoreError(f"store {location.describe()} does not exist yet: run a campaign first")
+        catalog.parent.mkdir(parents=True, exist_ok=True)
+        if not location.data_path.startswith(("s3://", "gs://", "az://")):
+            Path(location.data_path).mkdir(parents=True, exist_ok=True)
+        _follow_moved_data(catalog, location.data_path)  # readers too: `evertrain report` first after a move
+    options = [f"DATA_PATH '{location.data_path}'"]
+    if read_only:
+        options.append("READ_ONLY")
+    target = location.target.replace("'", "''")
+    con.execute(f"ATTACH 'ducklake:{location.catalog}:{target}' AS {LAKE} ({', '.join(options)})")
+    con.execute(f"USE {LAKE}")
+    return con
+
+
+def _follow_moved_data(catalog: Path, data_path: str) -> None:
+    """Point a SQLite catalog at its data folder's new place after the store was moved or copied.
+
+    DuckLake records its data path as an absolute string (every data file is stored relative to it), and
+    refuses to attach with another one; a copied ``data/`` folder would otherwise need OVERRIDE_DATA_PATH on
+    every connection, readers included. Rewritten only when the new folder exists (the files came along).
+    """
+    if not Path(data_path).is_dir():
+        return
+    if not catalog.exists():
+        return
+    # closed at once, not merely committed (sqlite3's context manager does not close): Python's copy of
+    # SQLite must not keep the file open beside DuckDB's own copy, or closing it later drops the POSIX
+    # locks DuckDB's copy holds on the file, and concurrent writers can corrupt the catalog
+    db = sqlite3.connect(catalog, timeout=30)
+    try:
+        try:
+            row = db.execute("SELECT value FROM ducklake_metadata WHERE key = 'data_path'").fetchone()
+        except sqlite3.OperationalError:  # a new catalog: DuckLake creates its tables on ATTACH
+            return
+        if row and row[0] != data_path:
+            with db:
+                db.execute("UPDATE ducklake_metadata SET value = ? WHERE key = 'data_path'", [data_path])
+    finally:
+        db.close()
+
+
+# The SQLite catalog stays in SQLite's default rollback-journal mode (WAL was not needed: readers that meet a
+# commit in progress retry, see Store._retry_read).
+def _retryable(error: Exception) -> bool:
+    """A write that lost a race: another writer committed to the same table, or held the SQLite catalog."""
+    text = str(error).lower()
+    return any(s in text for s in ("conflict", "database is locked", "could not serialize", "deadlock"))
+
+
 class Store:
-    """The DuckDB file of one deployment. Use one instance per process (see :func:`open_store`)."""
+    """The store of one deployment. Use one writable instance per process (see :func:`open_store`)."""
 
     def __init__(self, path: str | Path, read_only: bool = False) -> None:
-        self.path = Path(path)
-        if not read_only:
+        self.location = StoreLocation.parse(path)
+        self.lake = self.location.kind == "ducklake"
+        self.path = Path(self.location.target) if self.location.kind == "duckdb" or \
+            self.location.catalog == "sqlite" else Path(self.location.data_path)
+        self.read_only = read_only
+        self._lock = threading.RLock()
+        self._claims: dict[str, Any] = {}
+        self._writes = 0
+        if self.lake:
+            self._open_lake()
+        else:
+            self._open_file()
+
+    def _open_file(self) -> None:
+        if not self.read_only:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         elif not self.path.exists():
             raise StoreError(f"store {self.path} does not exist yet: run a campaign first")
         try:
-            self.con = duckdb.connect(str(self.path), read_only=read_only)
+            self.con = duckdb.connect(str(self.path), read_only=self.read_only)
         except duckdb.IOException as error:
             if "lock" in str(error).lower():
                 raise StoreError(
-                    f"store {self.path} is in use by another process (DuckDB allows one writer): wait for "
-                    f"that campaign to finish, or read its Parquet export. DuckDB said: {error}"
+                    f"store {self.path} is in use by another process (a DuckDB file allows one process, readers "
+                    f"included): wait for that campaign to finish, or use the default DuckLake store "
+                    f"({DEFAULT_STORE}), which readers may query while a campaign writes. DuckDB said: {error}"
                 ) from None
             raise StoreError(f"cannot open store {self.path}: {error}") from None
         except duckdb.Error as error:
             raise StoreError(f"{self.path} is not a usable DuckDB store: {error}") from None
-        self._lock = threading.RLock()
-        if not read_only:
+        if not self.read_only:
             self.con.execute(SCHEMA)
+            _add_missing_columns(self.con)
             if not self.con.execute("SELECT count(*) FROM schema_info").fetchone()[0]:
                 self.con.execute("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
 
+    def _open_lake(self) -> None:
+        try:
+            self.con = connect_lake(self.location, read_only=self.read_only)
+        except StoreError:
+            raise
+        except duckdb.Error as error:
+            raise StoreError(f"cannot open store {self.location.describe()}: {error}") from None
+        if self.read_only:
+            return
+
+        def create(con: duckdb.DuckDBPyConnection) -> None:
+            con.execute(LAKE_SCHEMA)
+            _add_missing_columns(con)
+            # DuckLake's data inlining (small writes kept in the catalog) is left off on purpose: measured here
+            # it halved a one-row commit (0.17 s against 0.37 s), but with three concurrent writers replacing
+            # their own rows, rows came back duplicated (900 rows for 750 keys; tests/test_store_concurrency.py)
+            if not con.execute("SELECT count(*) FROM schema_info").fetchone()[0]:
+                con.execute("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
+
+        # two processes creating a new store at once race on CREATE TABLE: the loser retries and finds it done
+        self._write(create, faults_point=None)
+
     def close(self) -> None:
+        for handle in self._claims.values():
+            handle.close()
+        self._claims.clear()
         self.con.close()
 
     # --- reading -------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None) -> pd.DataFrame:
         """Run SQL and return the whole result as a frame (results must be fetched before the next call)."""
         with self._lock:
-            return self.con.execute(sql, params or []).df()
+            return self._retry_read(lambda: self.con.execute(sql, params or []).df())
 
     def scalar(self, sql: str, params: list[Any] | None = None) -> Any:
         with self._lock:
-            row = self.con.execute(sql, params or []).fetchone()
+            row = self._retry_read(lambda: self.con.execute(sql, params or []).fetchone())
         return None if row is None else row[0]
+
+    def _retry_read(self, read: Callable[[], Any]) -> Any:
+        for attempt in range(50):
+            try:
+                return read()
+            except duckdb.Error as error:
+                if not (self.lake and _retryable(error)) or attempt == 49:
+                    raise
+                time.sleep(min(0.02 * 2 ** attempt, 1.0))
+        raise AssertionError("unreachable")
 
     def counts(self) -> dict[str, int]:
         """Row count of every table: what rerun-safety tests compare."""
@@ -164,25 +433,70 @@ class Store:
 
     # --- writing -------------------------------------------------------------------------------
     @contextmanager
-    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _writer_lock(self) -> Iterator[None]:
+        """Writers to one SQLite catalog take turns (a file lock around each transaction): SQLite has one
+        writer at a time anyway, and waiting here is cheaper than DuckLake failing the commit with
+        "database is locked" after the Parquet files were written."""
+        if not (self.lake and self.location.catalog == "sqlite"):
+            yield
+            return
+        with open(f"{self.location.target}.write-lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _write(self, body: Callable[[duckdb.DuckDBPyConnection], Any], faults_point: str | None = "before_commit",
+               attempts: int = 20) -> Any:
+        """Run ``body`` in one transaction and commit it, again from the start if it lost a race with
+        another writer (DuckLake detects conflicting commits; the loser's transaction is rolled back whole)."""
         with self._lock:
+            for attempt in range(attempts):
+                with self._writer_lock():
+                    self.con.execute("BEGIN TRANSACTION")
+                    try:
+                        result = body(self.con)
+                        if faults_point:
+                            faults.maybe_kill(faults_point)
+                        self.con.execute("COMMIT")
+                        self._writes += 1
+                        return result
+                    except duckdb.Error as error:
+                        _rollback(self.con)
+                        if not (self.lake and _retryable(error)) or attempt == attempts - 1:
+                            raise
+                    except BaseException:
+                        _rollback(self.con)
+                        raise
+                time.sleep(min(0.05 * 2 ** attempt, 2.0))
+        raise AssertionError("unreachable")
+
+    @contextmanager
+    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """One transaction around the caller's statements (not retried: prefer replace/append, which are)."""
+        with self._lock, self._writer_lock():
             self.con.execute("BEGIN TRANSACTION")
             try:
                 yield self.con
             except BaseException:
-                self.con.execute("ROLLBACK")
+                _rollback(self.con)
                 raise
             faults.maybe_kill("before_commit")
             self.con.execute("COMMIT")
+            self._writes += 1
 
     def replace(self, table: str, scope: Mapping[str, Any], rows: pd.DataFrame | list[dict[str, Any]]) -> int:
         """Delete the rows of ``table`` matching ``scope`` and insert ``rows``, atomically."""
         frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
         where = " AND ".join(f"{column} = ?" for column in scope) or "TRUE"
-        with self.transaction() as con:
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
             con.execute(f"DELETE FROM {table} WHERE {where}", list(scope.values()))
             if len(frame):
-                _insert(con, table, frame, "INSERT")
+                _insert(con, table, frame, ())
+
+        self._write(body)
         return len(frame)
 
     def append(self, table: str, rows: pd.DataFrame | list[dict[str, Any]]) -> int:
@@ -190,13 +504,13 @@ class Store:
         frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
         if not len(frame):
             return 0
-        with self.transaction() as con:
-            _insert(con, table, frame, "INSERT OR REPLACE")
+        self._write(lambda con: _insert(con, table, frame, KEYS.get(table, ())))
         return len(frame)
 
     def update_rollout_scores(self, campaign: str, iteration: int, scores: pd.DataFrame) -> int:
         """Write rewards and verdicts onto existing rollout rows (keys: problem_id, sample)."""
-        with self.transaction() as con:
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
             con.register("_scores", scores)
             try:
                 con.execute(
@@ -209,7 +523,91 @@ class Store:
                 )
             finally:
                 con.unregister("_scores")
+
+        self._write(body)
         return len(scores)
+
+    # --- one writer per campaign ------------------------------------------------------------------
+    def claim(self, campaign: str) -> None:
+        """Make this process the one writer of ``campaign`` until it closes the store or exits.
+
+        Many processes may share a DuckLake store, but two runs of the same campaign would interleave
+        its iterations. The claim is a lock the operating system drops when the process dies (SIGKILL
+        included), so a crashed run never blocks the next one: an flock on a file beside a SQLite catalog,
+        a session-level advisory lock in a Postgres catalog. A DuckDB file is locked whole already.
+        """
+        if not self.lake or campaign in self._claims:
+            return
+        if self.location.catalog == "sqlite":
+            # held open until close(): the lock lives as long as the file handle
+            handle: Any = open(f"{self.location.target}.{_safe(campaign)}.campaign-lock", "a+")  # noqa: SIM115
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise StoreError(
+                    f"campaign {campaign!r} in store {self.location.describe()} is in use by another process "
+                    f"(pid {holder}): one run per campaign at a time; wait for it to finish, or stop it. "
+                    "Readers (evertrain sql) are never refused.") from None
+            handle.truncate(0)
+            handle.write(str(os.getpid()))
+            handle.flush()
+        else:
+            import psycopg2
+
+            handle = psycopg2.connect(self.location.target)
+            handle.autocommit = True
+            with handle.cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_lock(hashtext(%s))", [f"evertrain:{campaign}"])
+                if not cursor.fetchone()[0]:
+                    handle.close()
+                    raise StoreError(
+                        f"campaign {campaign!r} in store {self.location.describe()} is in use by another process "
+                        "(its Postgres advisory lock is held): one run per campaign at a time.")
+        self._claims[campaign] = handle
+
+    # --- maintenance ---------------------------------------------------------------------------------
+    def compact(self, keep_seconds: float = 3600.0) -> dict[str, Any]:
+        """Merge the small Parquet files many small writes leave, then delete the files no snapshot younger
+        than ``keep_seconds`` needs (a reader's running query pins its snapshot; an hour is generous).
+
+        DuckLake's own maintenance functions; without them every stage write adds files and a long
+        campaign's queries slow down. Returns files and bytes before and after.
+        """
+        if not self.lake:
+            with self._lock:
+                self.con.execute("CHECKPOINT")
+            return {}
+        before = self.disk_usage()
+        cutoff = now().timestamp() - keep_seconds
+        with self._lock, self._writer_lock():
+            for attempt in range(20):
+                try:
+                    self.con.execute(f"CALL ducklake_merge_adjacent_files('{LAKE}')")
+                    self.con.execute(f"CALL ducklake_expire_snapshots('{LAKE}', older_than => to_timestamp(?))",
+                                     [cutoff])
+                    self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))",
+                                     [cutoff])
+                    self.con.execute(f"CALL ducklake_delete_orphaned_files('{LAKE}', older_than => to_timestamp(?))",
+                                     [cutoff])
+                    break
+                except duckdb.Error as error:
+                    if not _retryable(error) or attempt == 19:
+                        raise
+                    time.sleep(0.1 * (attempt + 1))
+        return {"before": before, "after": self.disk_usage()}
+
+    def disk_usage(self) -> dict[str, int]:
+        """Files and bytes under the data path, and the catalog's bytes (a SQLite catalog)."""
+        files = [p for p in Path(self.location.data_path).rglob("*") if p.is_file()] if self.lake else [self.path]
+        catalog = 0
+        if self.lake and self.location.catalog == "sqlite":
+            catalog = sum(p.stat().st_size for p in Path(self.location.target).parent.glob(
+                Path(self.location.target).name + "*") if p.is_file() and not p.name.endswith("lock"))
+        return {"files": len(files), "data_bytes": sum(p.stat().st_size for p in files if p.exists()),
+                "catalog_bytes": catalog}
 
     # --- stage bookkeeping -----------------------------------------------------------------------
     def stage_status(self, campaign: str, iteration: int) -> dict[str, str]:
@@ -246,13 +644,13 @@ class Store:
         return frame.iloc[0].to_dict()
 
 
-_open: dict[Path, Store] = {}
+_open: dict[str, Store] = {}
 _open_lock = threading.Lock()
 
 
 def open_store(path: str | Path) -> Store:
     """The process's one writable connection to the store at ``path`` (opened on first use)."""
-    key = Path(path).resolve()
+    key = resolve_uri(path)
     with _open_lock:
         if key not in _open:
             _open[key] = Store(key)
@@ -260,18 +658,31 @@ def open_store(path: str | Path) -> Store:
 
 
 def close_store(path: str | Path) -> None:
-    """Close the process's connection to ``path`` so another process may open the file."""
+    """Close the process's connection to ``path`` (and its campaign claims) so another process may take them."""
     with _open_lock:
-        store = _open.pop(Path(path).resolve(), None)
+        store = _open.pop(resolve_uri(path), None)
     if store is not None:
         store.close()
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, frame: pd.DataFrame, verb: str) -> None:
-    """``verb`` (INSERT, INSERT OR REPLACE) every row of ``frame`` into ``table``, matching columns by name."""
+def _insert(con: duckdb.DuckDBPyConnection, table: str, frame: pd.DataFrame, keys: tuple[str, ...]) -> None:
+    """Insert every row of ``frame`` into ``table`` (columns matched by name), first deleting the rows that
+    have the same ``keys`` (the INSERT OR REPLACE that DuckLake, having no primary keys, lacks)."""
     columns = ", ".join(frame.columns)
     con.register("_incoming", frame)
     try:
-        con.execute(f"{verb} INTO {table} ({columns}) SELECT {columns} FROM _incoming")
+        if keys:
+            key_list = ", ".join(keys)
+            con.execute(f"DELETE FROM {table} WHERE ({key_list}) IN (SELECT ({key_list}) FROM _incoming)")
+        con.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM _incoming")
     finally:
         con.unregister("_incoming")
+
+
+def _rollback(con: duckdb.DuckDBPyConnection) -> None:
+    with contextlib.suppress(duckdb.Error):  # a failed commit has already ended the transaction
+        con.execute("ROLLBACK")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)

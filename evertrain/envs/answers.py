@@ -21,20 +21,44 @@ _BOXED = "\\boxed{"
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _FRACTION = re.compile(r"([+-]?\d+)\s*/\s*(\d+)")
+_EXPONENT = re.compile(r"[eE]([+-]?\d+)\Z")
+
+# Bounds on what the trusted process converts. An answer is parsed in the grading process itself, so
+# an unbounded conversion is a stall for every item graded beside it: Fraction(Decimal("1e999999999"))
+# builds a billion-digit integer (32 s holding the GIL, measured). No answer any environment expects
+# comes near these; anything beyond them is "not a single number" and earns 0.
+MAX_NUMBER_CHARS = 400  # the whole written number, signs, separators and exponent included
+MAX_DIGITS = 200  # significant digits (numerator and denominator each, for a fraction)
+MAX_EXPONENT = 400  # |exponent| of scientific notation
 
 
 def parse_number(text: str) -> Fraction | None:
-    """Parse one number written plainly ('1,234.50', '-0', '$7', '3/4'); None if it is anything else."""
+    """Parse one number written plainly ('1,234.50', '-0', '$7', '3/4'); None if it is anything else.
+
+    Bounded: at most :data:`MAX_NUMBER_CHARS` characters, :data:`MAX_DIGITS` digits and an exponent of
+    at most :data:`MAX_EXPONENT`, checked on the text before anything is converted.
+    """
+    if len(text) > 4 * MAX_NUMBER_CHARS:  # before strip(): even stripping a huge string costs
+        return None
     value = text.strip()
+    if len(value) > MAX_NUMBER_CHARS:
+        return None
     value = value.removeprefix("$").strip()
     if value.endswith(".") and not value.endswith(".."):
         value = value[:-1]
     if _THOUSANDS.fullmatch(value):
         value = value.replace(",", "")
     if match := _FRACTION.fullmatch(value):
+        if max(len(match.group(1)), len(match.group(2))) > MAX_DIGITS + 1:
+            return None
         denominator = int(match.group(2))
         return Fraction(int(match.group(1)), denominator) if denominator else None
     if not _NUMBER.fullmatch(value):
+        return None
+    exponent = _EXPONENT.search(value)
+    if exponent and abs(int(exponent.group(1)[:8])) > MAX_EXPONENT:
+        return None
+    if sum(c.isdigit() for c in (value[:exponent.start()] if exponent else value)) > MAX_DIGITS:
         return None
     try:
         return Fraction(Decimal(value))

@@ -13,11 +13,14 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-Split = Literal["train", "eval"]
+# train: what curation draws from; eval: the promotion gate's held-out set; test and transfer: the sealed
+# splits that neither curation nor the gate ever sees (transfer: phrasings or operators never trained on)
+Split = Literal["train", "eval", "test", "transfer"]
+SEALED_SPLITS: tuple[str, ...] = ("test", "transfer")
 
 
 def problem_id(env: str, payload: dict[str, Any]) -> str:
@@ -113,6 +116,26 @@ class Environment(ABC):
         """How many problems ``split`` holds, or None when they are generated without end."""
         return None
 
+    def sealed_problems(self, split: Split, n: int, seed: int, gate: int) -> list[Problem]:
+        """``n`` problems of a sealed split ("test" or "transfer"), never among the gate's first ``gate``.
+
+        By default the test split is the far end of the held-out pool, read backwards, so it stays the same
+        when the gate's size changes (a pool generated without end: the problems after the gate's). An
+        environment without phrasings or operators of its own to hold out has no transfer split.
+        """
+        if split == "transfer" or n <= 0:
+            return []
+        if split != "test":
+            raise ValueError(f"{self.name}: {split!r} is not a sealed split; sealed splits: {SEALED_SPLITS}")
+        total = self.count("eval")
+        try:
+            pool = self.problems("eval", gate + n if total is None else total, seed)
+        except ValueError:  # a fixed pool smaller than asked: whatever lies beyond the gate
+            pool = self.problems("eval", gate, seed) if total is None else []
+        rest = pool[gate:]
+        chosen = rest[:n] if total is None else rest[::-1][:n]
+        return [replace(p, split="test") for p in chosen]
+
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         """The chat the policy answers: system prompt, worked examples, then the problem."""
         chat: list[dict[str, str]] = []
@@ -134,6 +157,29 @@ class Environment(ABC):
     def hack_completions(self, problem: Problem) -> list[str]:
         """Completions specific to this environment that must earn 0 (validation adds generic ones)."""
         return []
+
+    # --- the verifier self-test (evertrain.envs.quality.validate); override to plug an environment in
+
+    def known_good(self, problem: Problem) -> list[str]:
+        """Completions that must earn reward 1 (default: the reference, when there is one)."""
+        reference = self.reference(problem)
+        return [] if reference is None else [reference]
+
+    def known_bad(self, problem: Problem, other: Problem | None) -> list[tuple[str, str]]:
+        """(label, completion) pairs that must earn exactly 0, specific to this environment; ``other`` is
+        another problem of the same environment. The self-test adds the generic battery (empty, nan,
+        0, 1, another problem's answer, the question restated, hedges, over-long numbers) to these."""
+        return [("hack", completion) for completion in self.hack_completions(problem)]
+
+    def oracle_answer(self, problem: Problem) -> str | None:
+        """The expected final answer as text, when the problem has one (the self-test builds wrong answers)."""
+        answer = problem.payload.get("answer")
+        return None if answer is None or isinstance(answer, (dict, list)) else str(answer)
+
+    def write_answer(self, answer: str) -> str | None:
+        """A completion whose final answer is ``answer``; None when this environment grades no final answer
+        (code), so the self-test's answer battery does not apply and ``known_bad`` carries the battery."""
+        return "#### " + answer if self.kind in ("math", "reasoning", "tool") else None
 
     def parse_problem(self, data: dict[str, Any]) -> Problem:
         """A problem from its JSON form (``evertrain score`` input); ValueError names what is wrong."""

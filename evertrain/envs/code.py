@@ -99,6 +99,19 @@ def _referenced_names(sources: tuple[str, ...]) -> frozenset[str]:
     return frozenset(names)
 
 
+def _called_names(payload: dict[str, Any]) -> list[str]:
+    """Names the tests call (``f`` in ``assert f(2) == 4``), found with ast; builtins left out."""
+    import builtins
+
+    names: set[str] = set()
+    for test in payload.get("tests", []):
+        with contextlib.suppress(SyntaxError, ValueError):
+            for node in ast.walk(ast.parse(test)):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                    names.add(node.func.id)
+    return sorted(name for name in names if not hasattr(builtins, name))
+
+
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -262,6 +275,31 @@ class CodeEnvironment(FixedSplits, Environment):
     def reference(self, problem: Problem) -> str | None:
         code = problem.payload.get("reference")
         return f"```python\n{code}\n```" if code else None
+
+    def known_bad(self, problem: Problem, other: Problem | None) -> list[tuple[str, str]]:
+        """The code grader's battery: constant answers (0, 1, None, nan, inf, '', a huge number), another
+        problem's solution, control-flow exceptions that end the tests' iterators (StopIteration under
+        ``map``/``all``), the tests restated as code, and the classic harness hacks; all must earn 0."""
+        from evertrain.envs.quality import CODE_HACKS
+
+        entry = problem.payload.get("entry_point") or "solution"
+        names = sorted({entry} | set(_called_names(problem.payload)))
+
+        def defining(body: str) -> str:
+            return "```python\n" + "\n".join(f"def {name}(*args, **kwargs):\n    {body}" for name in names) + "\n```"
+
+        cases = [("hack", hack.replace("{entry}", entry)) for hack in CODE_HACKS]
+        cases += [("zero", defining("return 0")), ("one", defining("return 1")), ("none", defining("return None")),
+                  ("empty_value", defining("return ''")), ("non_finite", defining("return float('nan')")),
+                  ("non_finite", defining("return float('inf')")),
+                  ("over_long_number", defining("return 10 ** 100000")),
+                  ("stop_iteration", defining("raise StopIteration")),
+                  ("stop_iteration", defining("raise StopAsyncIteration")),
+                  ("generator_exit", defining("raise GeneratorExit")),
+                  ("restated", "```python\n" + "\n".join(problem.payload.get("tests", [])) + "\n```")]
+        if other is not None:
+            cases += [("other_problem", good) for good in self.known_good(other)]
+        return cases
 
     def parse_problem(self, data: dict[str, Any]) -> Problem:
         if not isinstance(data, dict):

@@ -25,11 +25,20 @@ break in an answer, so for the generators whose answers span lines (:data:`MULTI
 grids, boards, move lists) the answer writes each line break as the two characters ``\\n``, which are
 turned back into line breaks before the scorer sees the answer; the prompt says so.
 
-Two corrections to reasoning-gym's scorers, both before or after the scorer and both documented where
-they are defined: hedged answers ("<answer> or 7", "<answer>, 7"), which several lenient scorers
-credit, earn 0 (:func:`hedged`); and the few scorers that credit what they should not get a check
-after them (:data:`SCORER_FIXES`). Generators whose reference completion cannot be built are listed
-in :data:`RG_REFERENCE_EXCEPTIONS`.
+Corrections to reasoning-gym's scorers (found by the verifier self-test, :mod:`evertrain.envs.quality`),
+each documented where it is defined: hedged answers ("<answer> or 7", "<answer>, 7"), which several
+lenient scorers credit, earn 0 (:func:`hedged`); non-finite, over-long and over-precise answers are
+refused in bounded time before any scorer (:func:`precheck`); symbolic answers must be plain
+expressions and are reduced to plain data where no oracle is (:data:`SYMBOLIC`); puzzles must use their
+own numbers and are evaluated exactly here (:data:`INPUT_CHECKS`, :func:`arithmetic_value`); items whose
+oracle is itself unevaluated are left out (:data:`_ITEM_FILTERS`); and the few scorers that credit what
+they should not get a check after them (:data:`SCORER_FIXES`). Generators whose reference completion
+cannot be built are listed in :data:`RG_REFERENCE_EXCEPTIONS`.
+
+Nothing of an answer is evaluated in a process that holds the oracle: the scorer process's ``eval`` is
+literal-only (an answer is data or it is nothing; strings of the item itself keep the real ``eval``), and
+the sympy-based scorers get the answer as a plain-data tree from a first sandbox that never saw the item
+(``mode: reduce``), rebuilt from an allowlist of constructors in the second.
 
 Scoring in the sandbox (:func:`score_in_sandbox`). One sandboxed Python process per grade runs
 :data:`SCORER_SOURCE` with a JSON request on stdin: a fresh random nonce, the generator's module, the
@@ -41,7 +50,8 @@ and calls ``score_answer``. Before it does, the scorer process
   or the answer prints reaches the channel the grade is read from;
 - installs an audit hook (PEP 578, cannot be removed) that refuses any code compiled from a string
   (``eval``/``exec`` of the answer, directly or through sympy) naming a private or dunder name or an
-  escape primitive (``open``, ``getattr``, ``exec``, ``print``, ``os``, ``sys``, ``gc`` ...), and
+  escape primitive (``open``, ``getattr``, ``exec``, ``print``, ``os``, ``sys``, ``gc``, ``format`` ...) or
+  holding a brace in a string constant (``str.format`` fields walk attributes by name), and
   refuses process, signal, tracing, ``gc`` and ``/proc`` events; a refused answer earns 0
   (``answer_blocked``) even if the scorer swallowed the error;
 
@@ -71,6 +81,7 @@ import secrets
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import cache, cached_property
 from importlib import metadata as importlib_metadata
 from importlib import util as importlib_util
@@ -241,6 +252,196 @@ _FIX_CHECKS: dict[str, Callable[[str, dict[str, Any]], bool]] = {
     "game_of_life_halting": lambda answer, entry: answer.strip().lower() == str(entry["answer"]).strip().lower(),
 }
 
+
+def _exact_number(answer: str, entry: dict[str, Any]) -> bool:
+    """The answer is the oracle's number exactly (decimals and fractions compared as fractions)."""
+    from evertrain.envs.answers import parse_number
+
+    value, oracle = parse_number(answer.replace(",", "")), parse_number(str(entry["answer"]).replace(",", ""))
+    return value is not None and value == oracle
+
+
+def _not_a_premise(answer: str, entry: dict[str, Any]) -> bool:
+    """A conclusion that is not just one of the premises restated (whitespace ignored)."""
+    premises = entry.get("metadata", {}).get("premises") or []
+    squeeze = "".join
+    return squeeze(answer.split()) not in {squeeze(str(p).split()) for p in premises}
+
+
+SCORER_FIXES["propositional_logic"] = (
+    "rg's scorer credits any non-trivial conclusion the premises entail, so a premise copied from the "
+    "question ('(Q → P)') scored 1.0. A conclusion that restates a premise now earns 0")
+_FIX_CHECKS["propositional_logic"] = _not_a_premise
+
+SCORER_FIXES["coin_flip"] = (
+    "rg's partial credit compares the printed digits as prefixes and divides by the shorter length, so '0' "
+    "matched any oracle starting with 0 ('0.0009765625') for 1.0. Full credit now needs the oracle's number "
+    "exactly (as a fraction)")
+_FIX_CHECKS["coin_flip"] = _exact_number
+
+# Scorers that evaluate what the answer says with sympy (parse_expr runs eval): their answers are
+# checked against a token allowlist here, reduced to a plain-data expression tree in one sandbox that
+# holds no oracle, and only the tree reaches the scoring sandbox (see SYMBOLIC_WHY). The value is the
+# kind of answer: an "expression" in the problem's variables, or "arithmetic" on the puzzle's numbers.
+SYMBOLIC: dict[str, str] = {
+    "simple_integration": "expression", "intermediate_integration": "expression",
+    "polynomial_multiplication": "expression", "countdown": "arithmetic", "puzzle24": "arithmetic",
+}
+SYMBOLIC_WHY = (
+    "sympy's parse_expr evals the answer, so restating the question for the scorer to compute scored as a "
+    "solution: an unevaluated Integral(...) of the integrand (its derivative is the integrand), or "
+    "expand(...) of the given product; and an evaluated answer could walk to the scorer's frames and "
+    "read the oracle. Answers are now plain expressions only (numbers, the problem's variables, + - * / ** "
+    "and a few elementary functions), parsed where no oracle is, and compared as data"
+)
+_FUNCTIONS = frozenset(("sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh",
+                        "tanh", "asinh", "acosh", "atanh", "exp", "log", "sqrt", "Abs", "E", "pi"))
+_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|([A-Za-z_][A-Za-z_0-9]*)|(\*\*|[-+*/(),]))")
+MAX_EXPRESSION_TOKENS = 400
+
+# Puzzles whose scorer checks the value of the answer's expression but not that the puzzle's own
+# numbers were used (puzzle24 takes any four numbers in range that make 24, so another puzzle's
+# answer scored 1.0): the answer must use exactly the puzzle's numbers, each once.
+INPUT_CHECKS: dict[str, str] = {
+    "countdown": "numbers", "puzzle24": "numbers",
+}
+
+# The value a puzzle's expression must reach.
+PUZZLE_TARGETS: dict[str, Callable[[dict[str, Any]], Fraction]] = {
+    "countdown": lambda entry: Fraction(int(entry["metadata"]["target"])),
+    "puzzle24": lambda entry: Fraction(24),
+}
+
+# Items whose oracle itself is not a solution, left out of both splits (the eval pool draws more to
+# keep its size): sympy could not integrate them, so the oracle answer is an unevaluated Integral.
+_ITEM_FILTERS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "intermediate_integration": lambda item: "Integral" not in str(item.get("answer")),
+}
+
+# Bounds of the in-process checks: nothing of an answer is converted or evaluated before them.
+MAX_ANSWER_CHARS = 20_000
+MAX_NUMBER_DIGITS = 200
+MAX_EXPONENT = 299  # floats end at 1.8e308: past this a number is inf to a scorer that floats it
+_NON_FINITE = re.compile(r"(?<![A-Za-z])[+-]?(?:nan|inf(?:inity)?)(?![A-Za-z])", re.IGNORECASE)
+_DIGIT_RUN = re.compile(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}")
+_BIG_EXPONENT = re.compile(r"\d\.?\d*[eE][+-]?0*(\d{4,}|[3-9]\d\d)")  # an exponent past MAX_EXPONENT
+
+
+def expression_symbols(generator: str, entry: dict[str, Any]) -> list[str]:
+    """The names a symbolic answer may use besides the functions: the problem's variables (and C)."""
+    meta = entry.get("metadata") or {}
+    names = [meta["variable"]] if isinstance(meta.get("variable"), str) else []
+    variables = meta.get("variables")
+    if isinstance(variables, list):
+        names += [v for v in variables if isinstance(v, str)]
+    if "integration" in generator:
+        names.append("C")
+    return [name for name in dict.fromkeys(names) if name.isidentifier()]
+
+
+def precheck(generator: str, answer: str, entry: dict[str, Any]) -> str | None:
+    """Why ``answer`` earns 0 before any scorer sees it (None: let the scorer decide). Bounded work.
+
+    Refused: an answer far longer than any oracle; a non-finite number (``nan``, ``inf``), which some
+    partial-credit formulas turn into full credit; a number with more than MAX_NUMBER_DIGITS digits or
+    an exponent past MAX_EXPONENT; for symbolic scorers, anything but a plain expression; for puzzles,
+    an expression that does not use exactly the puzzle's numbers.
+    """
+    oracle = entry.get("answer") if isinstance(entry.get("answer"), str) else ""
+    if len(answer) > max(MAX_ANSWER_CHARS, 20 * len(oracle)):
+        return "answer_too_long"
+    if _NON_FINITE.search(answer) and not _NON_FINITE.search(oracle):
+        return "non_finite_answer"
+    if (_DIGIT_RUN.search(answer) and not _DIGIT_RUN.search(oracle)) or _BIG_EXPONENT.search(answer):
+        return "over_long_number"
+    if generator in SYMBOLIC:
+        allowed = set(expression_symbols(generator, entry)) | (_FUNCTIONS if SYMBOLIC[generator] == "expression"
+                                                              else set())
+        tokens = tokenize_expression(answer, allowed)
+        if tokens is None or (SYMBOLIC[generator] == "arithmetic" and "**" in tokens):
+            return "answer_not_plain_expression"
+        if generator in INPUT_CHECKS:
+            numbers = entry.get("metadata", {}).get("numbers")
+            used = [token for token in tokens if token[:1].isdigit()]
+            if not isinstance(numbers, list) or any("." in token for token in used) or \
+                    sorted(int(token) for token in used) != sorted(int(n) for n in numbers):
+                return "puzzle_inputs_not_used"
+    return None
+
+
+def arithmetic_value(tokens: list[str]) -> Fraction | None:
+    """The exact value of an arithmetic expression of integers, + - * / and parentheses, or None.
+
+    Used for the puzzles (countdown, puzzle24) instead of their scorers' sympy: the expression is plain
+    data once tokenized, so it is evaluated here, exactly, by this small parser (no eval, no powers).
+    """
+    position = 0
+
+    def peek() -> str | None:
+        return tokens[position] if position < len(tokens) else None
+
+    def take() -> str:
+        nonlocal position
+        position += 1
+        return tokens[position - 1]
+
+    def atom() -> Fraction:
+        token = take() if peek() is not None else ""
+        if token in ("+", "-"):
+            value = atom()
+            return value if token == "+" else -value
+        if token == "(":
+            value = expression()
+            if peek() != ")":
+                raise ValueError("unbalanced")
+            take()
+            return value
+        if token.isdigit() and len(token) <= 6:
+            return Fraction(int(token))
+        raise ValueError(f"unexpected token {token!r}")
+
+    def term() -> Fraction:
+        value = atom()
+        while peek() in ("*", "/"):
+            op, right = take(), atom()
+            value = value * right if op == "*" else value / right
+        return value
+
+    def expression() -> Fraction:
+        value = term()
+        while peek() in ("+", "-"):
+            op, right = take(), term()
+            value = value + right if op == "+" else value - right
+        return value
+
+    try:
+        value = expression()
+    except (ValueError, ZeroDivisionError, RecursionError):
+        return None
+    return value if position == len(tokens) else None
+
+
+def tokenize_expression(text: str, names: set[str]) -> list[str] | None:
+    """The tokens of a plain expression (numbers, ``names``, + - * / ** parentheses, commas), or None."""
+    tokens: list[str] = []
+    position, depth = 0, 0
+    text = text.strip()
+    while position < len(text):
+        match = _TOKEN.match(text, position)
+        if match is None or len(tokens) >= MAX_EXPRESSION_TOKENS:
+            return None
+        number, name, op = match.groups()
+        if name is not None and name not in names:
+            return None
+        token = number or name or op
+        depth += (op == "(") - (op == ")")
+        if depth < 0 or depth > 50:
+            return None
+        tokens.append(token)
+        position = match.end()
+    return tokens if tokens and depth == 0 else None
+
+
 _HEDGE_WORD = re.compile(r"\bor\b", re.IGNORECASE)
 _SEPARATORS = ",;/|"
 
@@ -285,6 +486,12 @@ REASONS: dict[str, str] = {
     "answer_not_on_last_line": "the marker is not on the last non-empty line",
     "unbalanced_boxed": "\\boxed{ without its closing brace",
     "hedged_answer": "the answer hedges between candidates (see hedged()); refused before scoring",
+    "answer_too_long": "the answer is far longer than any oracle (refused before scoring)",
+    "non_finite_answer": "the answer is or holds nan or inf (refused before scoring)",
+    "over_long_number": "a number with too many digits or too large an exponent (refused before scoring)",
+    "answer_not_plain_expression": "a symbolic answer that is not a plain expression in the problem's variables",
+    "puzzle_inputs_not_used": "the expression does not use exactly the puzzle's numbers, each once",
+    "not_exact": "a wrapped scorer's partial credit stands for no full answer: exact comparison failed",
     "answer_blocked": "evaluating the answer tried something the scorer's audit hook refuses (0 whatever the score)",
     "scorer_load_failed": "the generator's module or dataset could not be loaded in the sandbox",
     "scorer_raised": "score_answer raised",
@@ -394,6 +601,7 @@ _BLOCKED_NAMES = frozenset((
     "multiprocessing", "mmap", "resource", "pty", "operator", "functools", "system", "popen", "spawn",
     "fork", "kill", "load_module", "get_objects", "modules", "f_back", "f_globals", "f_locals", "f_builtins",
     "gi_frame", "gi_code", "cr_frame", "ag_frame", "tb_frame", "tb_next", "co_code", "mro",
+    "format", "format_map", "vformat", "Formatter", "Template", "attrgetter", "itemgetter", "methodcaller",
 ))
 _BLOCKED_EVENTS = frozenset((
     "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
@@ -413,6 +621,10 @@ def _names(code, seen):
     for const in code.co_consts:
         if hasattr(const, "co_names") and id(const) not in seen:
             yield from _names(const, seen)
+        elif isinstance(const, str) and "{" in const:
+            # str.format fields walk attributes by name ("{0.gi_frame.f_back}") from inside a string
+            # constant, where co_names never shows them: a brace in evaluated code is refused outright
+            yield "_format_field"
 
 
 def _arm(blocked):
@@ -480,6 +692,69 @@ def _load(request):
     return dataset_cls(config=config_cls(**request["config"]))
 
 
+_MAX_NODES = 2000
+
+
+def _reduce(request):
+    """The answer parsed by sympy, as a plain-data tree: [type name, *children] or [kind, text]."""
+    sys.path.extend(request["site"])
+    import sympy
+    symbols = {name: sympy.Symbol(name) for name in request["symbols"]}
+    expr = sympy.parse_expr(request["answer"], local_dict=symbols)
+    count = [0]
+
+    def walk(node):
+        count[0] += 1
+        if count[0] > _MAX_NODES:
+            raise ValueError("expression too large")
+        if node.is_Integer:
+            return ["Integer", str(int(node))]
+        if node.is_Rational:
+            return ["Rational", str(node.p), str(node.q)]
+        if node.is_Float:
+            return ["Float", str(node)]
+        if node.is_Symbol:
+            return ["Symbol", node.name]
+        return [type(node).__name__] + [walk(arg) for arg in node.args]
+
+    return walk(sympy.sympify(expr))
+
+
+def _rebuild(tree, symbol_names):
+    """The inverse of _reduce, from plain data only: an allowlist of sympy constructors, no parsing."""
+    import sympy
+    functions = {name: getattr(sympy, name) for name in (
+        "Add", "Mul", "Pow", "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot",
+        "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "exp", "log", "Abs")}
+    constants = {"Exp1": sympy.E, "Pi": sympy.pi, "ImaginaryUnit": sympy.I}
+    count = [0]
+
+    def build(node):
+        count[0] += 1
+        if count[0] > _MAX_NODES or not isinstance(node, list) or not node or not isinstance(node[0], str):
+            raise ValueError("not an expression tree")
+        kind, args = node[0], node[1:]
+        if kind in ("Integer", "Rational", "Float", "Symbol"):
+            if not all(isinstance(arg, str) and len(arg) <= 400 for arg in args):
+                raise ValueError("bad leaf")
+            if kind == "Integer":
+                return sympy.Integer(int(args[0]))
+            if kind == "Rational":
+                return sympy.Rational(int(args[0]), int(args[1]))
+            if kind == "Float":
+                return sympy.Float(args[0])
+            if args[0] not in symbol_names:
+                raise ValueError("unknown symbol")
+            return sympy.Symbol(args[0])
+        if kind in constants and not args:
+            return constants[kind]
+        if kind not in functions:
+            raise ValueError("not allowed: " + kind[:40])
+        return functions[kind](*[build(arg) for arg in args])
+
+    return str(build(tree))
+
+
 def _revive(entry, keys):
     meta = entry.get("metadata")
     for key in keys:
@@ -508,12 +783,52 @@ def main():
         os.write(report_fd, ("%s %s %s\n" % (nonce, kind, text)).encode())
         os._exit(0)
 
+    if request.get("mode") == "reduce":
+        # Phase one of a symbolic grade: this process holds the answer and no oracle. It parses the
+        # answer (already checked against a token allowlist by the parent) and reports it as a plain
+        # data tree; the scoring process gets the tree, never the text.
+        try:
+            tree = _reduce(request)
+        except BaseException as error:
+            report("error", "answer_not_plain " + json.dumps(repr(error)[:300]))
+        report("tree", json.dumps(tree))
     try:
         dataset = _load(request)
         entry, answer = request["entry"], request["answer"]
         _revive(entry, request["revive"])
+        if request.get("tree") is not None:  # phase two: rebuild the answer from plain data, no eval
+            answer = _rebuild(request["tree"], request["symbols"])
     except BaseException as error:
         report("error", "scorer_load_failed " + json.dumps(repr(error)[:300]))
+    if request.get("literal_eval"):
+        # Scorers that eval() the answer to read a list (binary_matrix, n_queens, spiral_matrix,
+        # string_insertion) get a literal-only eval: the answer is decoded as data, never run.
+        # Some eval their own trusted data (bitwise_arithmetic evals the item's problem): strings of the
+        # item, collected before the answer is looked at, keep the real eval.
+        import ast
+        import builtins
+        trusted = set()
+
+        def collect(value):
+            if isinstance(value, str):
+                trusted.add(value)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    collect(item)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    collect(item)
+
+        collect(entry)
+        trusted.discard(answer)
+        real_eval = builtins.eval
+
+        def literal_eval(text, *args):
+            if type(text) is str and text in trusted:
+                return real_eval(text)
+            return ast.literal_eval(text)
+
+        builtins.eval = literal_eval
     blocked = []
     _arm(blocked)
     try:
@@ -563,6 +878,7 @@ class ScoreResult:
     reason: str
     record: SandboxRunRecord | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    earlier: list[SandboxRunRecord] = field(default_factory=list)  # a symbolic grade's reducing run
 
 
 def score_in_sandbox(generator: str, answer: str, entry: dict[str, Any], *, config: dict[str, Any] | None = None,
@@ -575,14 +891,32 @@ def score_in_sandbox(generator: str, answer: str, entry: dict[str, Any], *, conf
     modules = _registry()
     if generator not in modules or generator == "composite":
         raise ValueError(f"not a reasoning-gym generator that scores items: {generator!r}")
+    earlier: list[SandboxRunRecord] = []
+    tree = None
+    symbols = expression_symbols(generator, entry)
+    if SYMBOLIC.get(generator) == "expression":
+        # phase one: the answer alone (no entry, no oracle) becomes a plain-data tree
+        nonce = secrets.token_hex(16)
+        request = {"nonce": nonce, "mode": "reduce", "site": list(site_dirs()), "answer": answer,
+                   "symbols": symbols}
+        record = run_python(SCORER_SOURCE, purpose=SCORER_PURPOSE, limits=limits or SCORER_LIMITS,
+                            stdin=json.dumps(request).encode(), ro_binds=site_dirs())
+        reduced = _result(record, nonce)
+        if reduced.reason != "reduced":
+            reduced.reason = "answer_not_plain_expression" if reduced.reason == "answer_not_plain" else reduced.reason
+            return reduced
+        earlier, tree, answer = [record], reduced.detail.pop("tree"), ""
     nonce = secrets.token_hex(16)
     request = {"nonce": nonce, "site": list(site_dirs()), "package_dir": _package_dir(), "generator": generator,
                "module": modules[generator], "config": dict(config or {}), "answer": answer, "entry": entry,
-               "revive": list(TUPLE_METADATA.get(generator, ())), "lazy": list(LAZY_MODULES)}
+               "revive": list(TUPLE_METADATA.get(generator, ())), "lazy": list(LAZY_MODULES),
+               "tree": tree, "symbols": symbols, "literal_eval": SYMBOLIC.get(generator) != "expression"}
     stdin = json.dumps(request).encode()
     record = run_python(SCORER_SOURCE, purpose=SCORER_PURPOSE, limits=limits or SCORER_LIMITS, stdin=stdin,
                         ro_binds=site_dirs())
-    return _result(record, nonce)
+    result = _result(record, nonce)
+    result.earlier = earlier
+    return result
 
 
 def _result(record: SandboxRunRecord, nonce: str) -> ScoreResult:
@@ -595,11 +929,15 @@ def _result(record: SandboxRunRecord, nonce: str) -> ScoreResult:
     if len(lines) != 1:
         return ScoreResult(None, "scorer_report_garbled", record, {"report_lines": len(lines)})
     kind, _, rest = lines[0].partition(" ")
+    if kind == "tree":
+        tree = _json_or_text(rest)
+        return ScoreResult(None, "reduced" if isinstance(tree, list) else "scorer_report_garbled", record,
+                           {"tree": tree})
     if kind == "blocked":
         return ScoreResult(None, "answer_blocked", record, {"blocked": _json_or_text(rest)})
     if kind == "error":
         code, _, text = rest.partition(" ")
-        reason = code if code in REASONS else "scorer_report_garbled"
+        reason = code if code in REASONS or code == "answer_not_plain" else "scorer_report_garbled"
         return ScoreResult(None, reason, record, {"error": _json_or_text(text), "stderr": record.stderr[-500:]})
     if kind != "score":
         return ScoreResult(None, "scorer_report_garbled", record)
@@ -682,13 +1020,24 @@ class ReasoningGym(Environment):
         return Problem(env=self.name, id=rg_problem_id(self.name, question, answer), prompt=question,
                        payload=payload, split=split)
 
+    def _usable(self, item: dict[str, Any]) -> bool:
+        keep = _ITEM_FILTERS.get(self.generator)
+        return keep is None or keep(item)
+
     @cached_property
     def _eval_pool(self) -> list[Problem]:
-        dataset = self._dataset(EVAL_SEED, self.eval_size)
+        filtered = self.generator in _ITEM_FILTERS
+        size = 2 * self.eval_size + 8 if filtered else self.eval_size
+        dataset = self._dataset(EVAL_SEED, size)
         pool: list[Problem] = []
         seen: set[str] = set()
-        for index in range(self.eval_size):
-            problem = self._problem(dataset[index], "eval")
+        for index in range(size):
+            if len(pool) == self.eval_size:
+                break
+            item = dataset[index]
+            if not self._usable(item):
+                continue
+            problem = self._problem(item, "eval")
             if problem.id not in seen:
                 seen.add(problem.id)
                 pool.append(problem)
@@ -717,6 +1066,8 @@ class ReasoningGym(Environment):
         chosen: list[Problem] = []
         seen: set[str] = set()
         for index in range(attempts):
+            if not self._usable(dataset[index]):
+                continue
             problem = self._problem(dataset[index], "train")
             if problem.id in held or problem.id in seen:
                 continue
@@ -771,6 +1122,14 @@ class ReasoningGym(Environment):
         decoded = decode_answer(generator, answer)
         if hedge := hedged(decoded, entry["answer"]):
             return Verdict.fail("hedged_answer", answer=answer[:200], hedge=hedge, sandbox_runs=[])
+        if refused := precheck(generator, decoded, entry):
+            return Verdict.fail(refused, answer=answer[:200], sandbox_runs=[])
+        if SYMBOLIC.get(generator) == "arithmetic":  # plain data now: evaluated exactly here, see arithmetic_value
+            tokens = tokenize_expression(decoded, set()) or []
+            value, target = arithmetic_value(tokens), PUZZLE_TARGETS[generator](entry)
+            if value is None or value != target:
+                return Verdict.fail("wrong_answer", answer=answer[:200], rg_score=0.0, sandbox_runs=[])
+            return Verdict.ok("correct", answer=answer[:200], rg_score=1.0, sandbox_runs=[])
         result = score_in_sandbox(generator, decoded, entry, config=config)
         if result.score and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
             result.detail["rg_score_before_fix"] = result.score
@@ -780,7 +1139,8 @@ class ReasoningGym(Environment):
             detail["generator"] = generator
         if result.record is not None:
             detail["run_id"] = result.record.run_id
-            detail["sandbox_runs"] = [{**result.record.to_row(), "started_at": result.record.started_at.isoformat()}]
+            detail["sandbox_runs"] = [{**record.to_row(), "started_at": record.started_at.isoformat()}
+                                      for record in (*result.earlier, result.record)]
         score = result.score or 0.0
         reward = score if self.reward_mode == "score" else float(score == 1.0)
         return Verdict(reward=reward, passed=score == 1.0, reason=result.reason, detail=detail)
@@ -796,6 +1156,32 @@ class ReasoningGym(Environment):
         if answer is None:
             return None
         return "#### " + encode_answer(generator, answer)
+
+    def oracle_answer(self, problem: Problem) -> str | None:
+        """The oracle answer, encoded as a final answer would be; None where items have no unique answer
+        (their scorer accepts any valid solution, so another problem's answer may be right here too)."""
+        answer = problem.payload.get("answer")
+        return None if answer is None else encode_answer(self.generator, answer)
+
+    def known_bad(self, problem: Problem, other: Problem | None) -> list[tuple[str, str]]:
+        """The question restated for a scorer that evaluates it (an unevaluated integral, an expand() of
+        the given product, a premise as the conclusion), plus the forging hacks."""
+        meta = problem.payload.get("metadata") or {}
+        restated: list[str] = []
+        variable = meta.get("variable") if isinstance(meta.get("variable"), str) else "x"
+        if isinstance(meta.get("integrand"), str):
+            integrand = meta["integrand"]
+            restated += [f"Integral({integrand}, {variable}) + C", f"integrate({integrand}, {variable})",
+                         f"∫ {integrand} d{variable}", f"Integral({integrand}, {variable}).doit()"]
+        if isinstance(meta.get("polynomial_expr"), str):
+            expression = meta["polynomial_expr"]
+            restated += [f"expand({expression})", expression, f"simplify({expression})", f"({expression})*1"]
+        for premise in meta.get("premises") or []:
+            restated.append(str(premise))
+        if isinstance(meta.get("numbers"), list) and "target" in meta:
+            restated += [str(meta["target"]), f"{meta['target']} + 0"]
+        return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated]
+                + [("hack", completion) for completion in self.hack_completions(problem)])
 
     def hack_completions(self, problem: Problem) -> list[str]:
         """Answers that try to take over a scorer that evals them, or to print a grade: all must earn 0."""

@@ -16,6 +16,8 @@ BUILTIN: dict[str, str] = {
     "sql": "evertrain.envs.sql:SqlQuestions",
     "code": "evertrain.envs.code:CodeEnvironment",
     "mbpp": "evertrain.envs.code:MBPP",
+    "terminal": "evertrain.envs.terminal:Terminal",
+    "calculator": "evertrain.envs.calculator:Calculator",
 }
 
 

@@ -48,20 +48,19 @@ The tools
   line (``Type: message``) and ``error=True``. The sandbox records ride on the result (``sandbox_runs``)
   for the audit table.
 - :class:`SqlTool` (``sql``): one read-only SELECT over a small DuckDB table, in a fresh in-memory
-  database per call with file and network access switched off and the configuration locked; at most
-  20 rows, 2 s, 128 MB.
+  database per call with file and network access switched off and the configuration locked, run out
+  of process (:mod:`evertrain.sandbox.sql_worker`: a forked child per query with RLIMIT_AS 768 MB and
+  RLIMIT_CPU, killed at the wall-clock limit); at most 20 rows, 2 s, DuckDB's own 128 MB.
 """
 
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import re
 import textwrap
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -71,6 +70,7 @@ import duckdb
 from evertrain.envs.answers import grade_math
 from evertrain.envs.base import Environment, Problem, Tool, ToolResult, Verdict, vendored_path
 from evertrain.sandbox.bwrap import Limits, run_python
+from evertrain.sandbox.sql_worker import SqlWorker
 
 FINAL_MARKERS = ("####", "\\boxed{")
 MAX_TOOL_OUTPUT = 500  # characters of a tool's output the policy sees
@@ -279,33 +279,14 @@ class SqlTable:
         return f"CREATE TABLE {self.name} ({', '.join(f'{c} {t}' for c, t in self.columns)})"
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "NULL"
-    if isinstance(value, (dt.date, dt.datetime)):
-        return value.isoformat()
-    if isinstance(value, (Decimal, int)):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)
-    text = str(value)
-    return text if len(text) <= 100 else text[:100] + "…"
-
-
-def _duckdb_error(error: Exception) -> str:
-    lines = []
-    for line in str(error).splitlines():
-        if line.startswith("LINE "):
-            break
-        if line.strip():
-            lines.append(line.strip())
-    return " ".join(lines)[:300] or type(error).__name__
-
-
 class SqlTool(Tool):
     """Runs one read-only SELECT over a small vendored DuckDB table and replies with the rows.
 
-    Untrusted SQL runs in this process, so each call gets a fresh in-memory database (nothing a call
+    Untrusted SQL never runs in this process: each call goes to the SQL worker
+    (:mod:`evertrain.sandbox.sql_worker`), which forks a child per query under hard limits (RLIMIT_AS
+    ``process_memory_mb``, RLIMIT_CPU, killed at the wall-clock limit), because DuckDB's own memory
+    limit and interrupt do not bound every function call (one query grew the rollout process by 2-5 GB).
+    The child gets a fresh in-memory database (nothing a call
     does can reach the next) that is locked down before the policy's SQL touches it: no file or
     network access (so no COPY, ATTACH, INSTALL/LOAD, read_csv of host files), extensions never
     auto-installed or auto-loaded, no spilling to a temp directory, one thread, 128 MB, and the
@@ -319,8 +300,15 @@ class SqlTool(Tool):
     description: ClassVar[str] = "Runs one read-only DuckDB SELECT over the table and replies with up to 20 rows."
 
     def __init__(self, table: SqlTable, *, max_rows: int = 20, timeout_s: float = 2.0,
-                 memory_limit: str = "128MB", max_query_chars: int = 4000, csv_path: Path | None = None) -> None:
+                 memory_limit: str = "128MB", max_query_chars: int = 4000, csv_path: Path | None = None,
+                 process_memory_mb: int = 768) -> None:
         self.table, self.max_rows, self.timeout_s, self.memory_limit = table, max_rows, timeout_s, memory_limit
+        # DuckDB's own limit, and the hard one: the query process's whole address space (RLIMIT_AS)
+        size = memory_limit.strip().upper()
+        if not (size.endswith(("MB", "GB")) and size[:-2].strip().isdigit()):
+            raise ValueError(f"SqlTool memory_limit must look like '128MB' or '1GB', not {memory_limit!r}")
+        self.duckdb_memory_mb = int(size[:-2]) * (1024 if size.endswith("GB") else 1)
+        self.process_memory_mb = process_memory_mb
         self.max_query_chars = max_query_chars
         self.csv_path = csv_path  # None: the vendored file table.csv under data/
 
@@ -338,7 +326,8 @@ class SqlTool(Tool):
         return f"INSERT INTO {self.table.name} VALUES {values}"
 
     def connect(self) -> duckdb.DuckDBPyConnection:
-        """A fresh, locked-down in-memory database holding the table (about 25 ms; tests use it too)."""
+        """A fresh, locked-down in-memory database holding the table, in this process: for trusted SQL only
+        (generating the questions, tests); the policy's SQL goes through :meth:`run`."""
         con = duckdb.connect(":memory:", config={"threads": 1, "memory_limit": self.memory_limit})
         try:
             con.execute(self.table.ddl())
@@ -353,50 +342,37 @@ class SqlTool(Tool):
         return con
 
     def run(self, call: str, problem: Problem) -> ToolOutput:
-        """Run ``call``; refusals, errors and timeouts come back as ``error=True``, never as exceptions."""
+        """Run ``call`` in the SQL worker (see :mod:`evertrain.sandbox.sql_worker`): never in this process.
+
+        Refusals, errors, timeouts and a query that runs out of memory come back as ``error=True``.
+        """
         if len(call) > self.max_query_chars:
             return ToolOutput(f"refused: the query is longer than {self.max_query_chars} characters", error=True)
-        con = self.connect()
-        lock, finished = threading.Lock(), [False]
-
-        def interrupt() -> None:  # from the timer thread: never touch a connection that is being closed
-            with lock:
-                if not finished[0]:
-                    con.interrupt()
-
-        timer = threading.Timer(self.timeout_s, interrupt)
-        try:
-            try:
-                statements = con.extract_statements(call)
-            except Exception as error:
-                return ToolOutput(_duckdb_error(error), error=True)
-            if len(statements) != 1:
-                return ToolOutput(f"refused: write exactly one SQL statement (got {len(statements)})", error=True)
-            statement = statements[0]
-            if statement.type != duckdb.StatementType.SELECT:
-                kind = str(statement.type).rsplit(".", 1)[-1]
-                return ToolOutput(f"refused: only read-only SELECT queries are allowed (got {kind})", error=True)
-            timer.start()
-            try:
-                cursor = con.execute(statement.query)
-                rows = cursor.fetchmany(self.max_rows + 1)
-                columns = [d[0] for d in cursor.description or []]
-            except duckdb.InterruptException:
-                return ToolOutput(f"stopped: the query ran longer than {self.timeout_s:g} s", error=True)
-            except Exception as error:  # a DuckDB error, or a value Python cannot convert
-                return ToolOutput(_duckdb_error(error), error=True)
-        finally:
-            with lock:
-                finished[0] = True
-            timer.cancel()
-            con.close()
-        shown = rows[:self.max_rows]
-        lines = [" | ".join(columns)] + [" | ".join(_cell(v) for v in row) for row in shown]
-        if len(rows) > self.max_rows:
+        reply = _sql_worker().run({
+            "setup": [self.table.ddl(), self._insert], "query": call, "max_rows": self.max_rows,
+            "timeout_s": self.timeout_s, "memory_mb": self.process_memory_mb, "threads": 1,
+            "duckdb_memory_mb": self.duckdb_memory_mb})
+        if not reply.get("ok"):
+            return ToolOutput(str(reply.get("error", "the query failed"))[:300], error=True)
+        rows, columns = reply["rows"], reply["columns"]
+        lines = [" | ".join(columns)] + [" | ".join(row) for row in rows]
+        if reply["more"]:
             lines.append(f"(first {self.max_rows} rows shown; more not shown)")
         else:
-            lines.append(f"({len(shown)} row{'' if len(shown) == 1 else 's'})")
+            lines.append(f"({len(rows)} row{'' if len(rows) == 1 else 's'})")
         return ToolOutput("\n".join(lines))
+
+
+_worker: list[SqlWorker] = []
+_worker_lock = threading.Lock()
+
+
+def _sql_worker() -> SqlWorker:
+    """The process's SQL worker, started on first use (queries from every thread share it, one at a time)."""
+    with _worker_lock:
+        if not _worker:
+            _worker.append(SqlWorker())
+        return _worker[0]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -57,6 +57,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from evertrain.sandbox import cgroup
+
 log = logging.getLogger(__name__)
 
 UNSAFE_ENV = "EVERTRAIN_UNSAFE_NO_SANDBOX"
@@ -112,8 +114,8 @@ class SandboxRunRecord:
     exit_code: int | None  # None when the process died of a signal
     signal: int | None
     wall_s: float
-    cpu_s: float  # user + system time of the job and what it reaped; only bwrap's own when killed from here
-    peak_rss_kb: int | None  # largest resident set of any one job process; None when the run was killed
+    cpu_s: float  # CPU time of the whole process tree (its cgroup), also when killed from here
+    peak_rss_kb: int | None  # peak memory of the whole process tree (its cgroup: page cache included); None if unknown
     stdout_bytes: int  # bytes written, including any beyond the stored cap
     stderr_bytes: int
     stdout: str  # the first limits.output_keep_bytes, decoded leniently
@@ -363,6 +365,8 @@ class _Process:
     inits: list[int] = field(default_factory=list)  # pidfds of bwrap's children (the sandbox's PID 1)
     record: SandboxRunRecord | None = None
     report_fd: int = -1  # read end of the pipe on which the sandbox's PID 1 reports the job's rusage
+    group: cgroup.Group | None = None  # the run's own cgroup: limits and counts the whole tree
+    watcher: cgroup.TreeWatcher | None = None  # the fallback where no cgroup can be made
 
     def take(self, stream: int, chunk: bytes) -> None:
         keep = self.job.limits.output_keep_bytes
@@ -381,6 +385,8 @@ class _Process:
         self.inits = _children_pidfds(self.popen.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)  # bwrap leads its own group
+        if self.group is not None:
+            self.group.kill_all()
 
 
 def _children_pidfds(pid: int) -> list[int]:
@@ -427,8 +433,16 @@ def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
     else:
         argv = _python_argv(f"{base}/prelude.py", uid, job.limits, [f"{base}/main.py", *job.args], "main",
                             report_w)
+    group = None
     if sandboxed:
         argv = _bwrap_argv(job, file_fds, uid) + argv
+        tree_backend = cgroup.backend()
+        if tree_backend is not None:
+            # room for bwrap, its monitor and the sandbox's PID 1 besides the job's own processes
+            group = cgroup.Group.create(tree_backend, job.limits.memory_mb, job.limits.nproc + 4)
+            argv = cgroup.enter_argv(group, argv)
+        else:
+            _warn_no_cgroup()
     stdin: Any = subprocess.DEVNULL
     if job.stdin:
         stdin_fd = _memfd("stdin", job.stdin)
@@ -443,9 +457,24 @@ def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
     except BaseException:
         for fd in (*to_close, report_r):
             os.close(fd)
+        if group is not None:
+            group.remove()
         raise
     pidfd = os.pidfd_open(popen.pid)
-    return _Process(job, popen, pidfd, t0, started_at, uid=uid, report_fd=report_r), to_close, tmpdir
+    proc = _Process(job, popen, pidfd, t0, started_at, uid=uid, report_fd=report_r, group=group)
+    if sandboxed and group is None:
+        proc.watcher = cgroup.TreeWatcher(popen.pid, job.limits.memory_mb * 1024, lambda: proc.kill("memory"))
+    return proc, to_close, tmpdir
+
+
+_warned: list[bool] = []
+
+
+def _warn_no_cgroup() -> None:
+    if not _warned:
+        _warned.append(True)
+        log.warning("no writable cgroup here (see evertrain.sandbox.cgroup): sandbox memory is bounded by "
+                    "RLIMIT_AS per process and a process-tree watcher, not by the kernel")
 
 
 def _run_group(jobs: Sequence[Job], primary: int | None, grace_s: float,
@@ -560,13 +589,22 @@ def _reap(proc: _Process, selector: selectors.BaseSelector, sandboxed: bool) -> 
     reported = _read_report(proc.report_fd)
     if reported is not None:  # the job's own numbers, from the sandbox's PID 1
         peak_rss, cpu = reported
+    tree: cgroup.Usage | None = None
+    if proc.group is not None:  # the whole tree's numbers, from the kernel, even when killed
+        tree = proc.group.usage()
+        proc.group.release()
+        peak_rss = tree.peak_kb if tree.peak_kb is not None else peak_rss
+        cpu = tree.cpu_s if tree.cpu_s is not None else cpu
+    if proc.watcher is not None:
+        proc.watcher.stop()
+        peak_rss = max(peak_rss or 0, proc.watcher.peak_kb) or None
     stdout, stderr = (bytes(b).decode("utf-8", "replace") for b in proc.stored)
     proc.record = SandboxRunRecord(
         run_id=str(uuid.uuid4()), purpose=proc.job.purpose, code_sha256=proc.job.digest(), limits=limits,
         exit_code=exit_code, signal=sig, wall_s=round(wall, 4), cpu_s=round(cpu, 4),
         peak_rss_kb=peak_rss, stdout_bytes=proc.counts[0], stderr_bytes=proc.counts[1],
         stdout=stdout, stderr=stderr,
-        limit_hit=_limit_hit(proc, exit_code, sig, cpu), started_at=proc.started_at, sandboxed=sandboxed,
+        limit_hit=_limit_hit(proc, exit_code, sig, cpu, tree), started_at=proc.started_at, sandboxed=sandboxed,
         uid=proc.uid,
     )
 
@@ -589,7 +627,8 @@ def _read_report(fd: int) -> tuple[int, float] | None:
         return None
 
 
-def _limit_hit(proc: _Process, exit_code: int | None, sig: int | None, cpu: float) -> str | None:
+def _limit_hit(proc: _Process, exit_code: int | None, sig: int | None, cpu: float,
+               tree: cgroup.Usage | None = None) -> str | None:
     """Which limit ended the run. Signals and our own kills are certain; the rest reads stderr.
 
     A process that hits RLIMIT_AS, RLIMIT_NPROC or (in Python, which ignores SIGXFSZ) RLIMIT_FSIZE
@@ -605,6 +644,10 @@ def _limit_hit(proc: _Process, exit_code: int | None, sig: int | None, cpu: floa
         return "cpu"
     if sig == signal.SIGXFSZ:
         return "fsize"
+    if tree is not None and tree.memory_hit:  # the kernel's count, not the candidate's stderr; reported
+        return "memory"  # even when the job survived the loss of a child
+    if tree is not None and tree.pids_hit:
+        return "nproc"
     if exit_code == 0 and sig is None:
         return None
     tail = proc.tails[1].decode("utf-8", "replace")

@@ -86,8 +86,18 @@ class Channel:
         raise NonPlainValue(f"{name}() sent a malformed reply")
 
 
+# Exceptions that steer control flow rather than report an error: StopIteration raised by a candidate
+# called under map(), zip(), all() or any() in a test would silently end that iterator, so a failing
+# `assert all(map(f, xs))` would pass. They come back as an ordinary error instead (as PEP 479 does for
+# generators), which the test cannot mistake for the end of its loop.
+_CONTROL_FLOW = frozenset(("StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt",
+                           "SystemExit"))
+
+
 def _exception(type_name: str, message: str) -> Exception:
     """The candidate's exception, rebuilt here: a built-in type by name, else CandidateError."""
+    if type_name in _CONTROL_FLOW:
+        return CandidateError(f"{type_name} raised by the candidate: {message}")
     cls = getattr(builtins, type_name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:

@@ -1,0 +1,101 @@
+"""``calculator``: arithmetic on numbers too large to do in one's head, with the sandboxed Python tool.
+
+"What is 48213 * 7719?": SmolLM2-135M cannot multiply five-digit numbers in its head, but it can
+copy an expression into a ``<python>`` call and copy the tool's reply into ``#### <number>``. The
+prompt shows one worked tool episode (an honest starting signal: the grader stays the strict
+final-answer rule of the last turn, with tool blocks removed, so the tool's output itself supplies
+nothing and a ``####`` inside a call earns nothing).
+
+Problems are generated from a seed: train problems from the seed, held-out problems from a fixed
+pool seed, and any train problem that collides with a held-out one is dropped (ids are content
+hashes). Options: ``digits`` (the sizes of the operands, default [3, 5]), ``ops`` (default ``+ - *``),
+``eval_pool`` (held-out pool size, default 500).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from functools import cached_property
+from typing import Any, ClassVar
+
+from evertrain.envs.answers import MathEnvironment
+from evertrain.envs.base import Problem, Split, Tool
+from evertrain.envs.tools import Message, PythonTool, ToolCall, ToolEnvironment
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_POOL_SEED = 15_015
+
+
+class Calculator(ToolEnvironment, MathEnvironment):
+    """Big-number arithmetic; a ``python`` tool call, then the final answer (two assistant turns)."""
+
+    name: ClassVar[str] = "calculator"
+    source: ClassVar[str] = "generated"
+    templated: ClassVar[bool] = True
+    tools: ClassVar[dict[str, Tool]] = {"python": PythonTool()}
+    max_turns: ClassVar[int] = 2
+    system_prompt: ClassVar[str] = (
+        "Answer the arithmetic question. The numbers are large, so use the Python tool: write the expression "
+        "between <python> and </python> and stop. Its result comes back in the next message. Then give the "
+        "final answer on the last line as '#### <number>'."
+    )
+    worked_example: ClassVar[tuple[Message, ...]] = (
+        {"role": "user", "content": "What is 3841 * 5127?"},
+        {"role": "assistant", "content": "<python>\n3841 * 5127\n</python>"},
+        {"role": "tool", "content": "19692807"},
+        {"role": "assistant", "content": "#### 19692807"},
+    )
+
+    def __init__(self, digits: list[int] | None = None, ops: list[str] | None = None, eval_pool: int = 500,
+                 **options: Any) -> None:
+        super().__init__(**options)
+        self.digits = list(digits or [3, 5])
+        if len(self.digits) != 2 or not 1 <= self.digits[0] <= self.digits[1] <= 30:
+            raise ValueError(f"calculator: digits must be [low, high] with 1 <= low <= high <= 30, got {digits}")
+        self.ops = list(ops or ["+", "-", "*"])
+        unknown = [op for op in self.ops if op not in _OPS]
+        if unknown or not self.ops:
+            raise ValueError(f"calculator: ops must be among {sorted(_OPS)}, got {ops}")
+        self.eval_pool = eval_pool
+
+    def _number(self, rng: random.Random) -> int:
+        size = rng.randint(*self.digits)
+        return rng.randint(10 ** (size - 1), 10 ** size - 1)
+
+    def _make(self, rng: random.Random, split: Split) -> Problem:
+        a, b, op = self._number(rng), self._number(rng), rng.choice(self.ops)
+        return Problem.make(self.name, f"What is {a} {op} {b}?", {"a": a, "b": b, "op": op,
+                                                                   "answer": str(_OPS[op](a, b))}, split)
+
+    @cached_property
+    def _held_out(self) -> list[Problem]:
+        rng = random.Random(_POOL_SEED)
+        return [self._make(rng, "eval") for _ in range(self.eval_pool)]
+
+    @cached_property
+    def _held_ids(self) -> frozenset[str]:
+        return frozenset(problem.id for problem in self._held_out)
+
+    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
+        if split == "eval":
+            if n > self.eval_pool:
+                raise ValueError(f"calculator: {n} held-out problems asked, the pool holds {self.eval_pool}")
+            return self._held_out[:n]
+        rng = random.Random(f"calculator-train-{seed}")
+        found: list[Problem] = []
+        while len(found) < n:
+            problem = self._make(rng, "train")
+            if problem.id not in self._held_ids:
+                found.append(problem)
+        return found
+
+    def count(self, split: Split) -> int | None:
+        return self.eval_pool if split == "eval" else None
+
+    def reference(self, problem: Problem) -> str | None:
+        return f"#### {problem.payload['answer']}"
+
+    def reference_calls(self, problem: Problem) -> list[ToolCall]:
+        p = problem.payload
+        return [ToolCall("python", f"{p['a']} {p['op']} {p['b']}")]

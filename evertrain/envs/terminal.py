@@ -1,0 +1,442 @@
+"""``terminal``: the agent works in a shell, one command per turn, on a workspace of files.
+
+The episode
+-----------
+
+Each problem is a small task from ``data/terminal/tasks/*.toml`` (fix a failing test, write a file in
+a format, find a value in a log ...): a prompt, the files of its workspace, a checker, and a reference
+solution. The policy issues one shell command per assistant turn as a tool call ``<bash>cmd</bash>``;
+the command's output (stdout and stderr together, cut to :data:`MAX_OUTPUT` characters with a note of
+how much was cut) comes back as the ``tool`` message. The episode ends at the first turn without a
+command (the agent says it is done) or after ``max_turns`` assistant turns.
+
+Where commands run
+------------------
+
+In the bubblewrap sandbox (:mod:`evertrain.sandbox.bwrap`): no network (a fresh network namespace),
+``/usr`` read-only, a fresh uid, CPU, memory, process and file-size limits. The workspace is the
+sandbox's private tmpfs, ``/tmp``, which is also the working directory and ``HOME``: it is the ONLY
+writable place (``/sandbox``, where the runner lives, is read-only, and so is everything else). The
+task's checker and reference solution never enter this sandbox.
+
+A tool call carries no state, so each call replays the episode's earlier commands in a fresh
+workspace, then runs the new one, and shows only the new one's output: the workspace a command sees is
+exactly the one the earlier commands left, and an episode can be replayed from its transcript alone.
+Each command gets :data:`COMMAND_TIMEOUT_S` seconds of wall time.
+
+Grading
+-------
+
+The graded completion is the episode's command log: the executed commands, in order, as ``<bash>``
+blocks (:meth:`Terminal.episode_text` builds it from the turns; ``evertrain score`` takes the same
+text). The grader replays the commands in a fresh sandbox, takes the resulting workspace out as a tar
+archive, and runs the task's checker in ANOTHER fresh sandbox on a copy of it. The checker never
+imports workspace code: it reads files and runs workspace programs as subprocesses and compares what
+they print. The runner around it reads a per-grade nonce from stdin, closes stdin and marks itself
+non-dumpable before anything of the workspace runs, so a workspace program can neither read the nonce
+(``/proc/<pid>/mem``, ``/proc/<pid>/fd``) nor write to the runner's stdout; the task passes only when
+the runner prints ``PASS <nonce>`` after every check held.
+
+Audit: every sandboxed process is a ``sandbox_runs`` row (purpose ``tool:terminal``,
+``terminal:replay``, ``terminal:check``); every command of a graded episode, with its exit status,
+seconds and output size, is in the verdict's ``detail["commands"]`` (the rollout's ``detail`` column),
+and every command the policy issued is in the rollout's ``turns``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import re
+import secrets
+import tarfile
+import tomllib
+from dataclasses import dataclass
+from functools import cache, cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+from evertrain.envs.base import Environment, Problem, Split, Tool, Verdict, vendored_path
+from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, strip_tool_blocks
+from evertrain.sandbox.bwrap import Limits, run_python
+
+TOOL = "bash"
+MAX_OUTPUT = 400  # characters of one command's output the policy sees (then a note of how much was cut)
+COMMAND_TIMEOUT_S = 5.0  # wall-clock seconds per command
+MAX_COMMAND_CHARS = 2000  # a longer command is refused without running
+
+# one sandbox per tool call or replay: the whole episode's commands; the workspace is the tmpfs
+_EPISODE_LIMITS = dict(cpu_s=20, memory_mb=512, nproc=64, nofile=64, fsize_mb=4, tmpfs_mb=16,
+                       output_keep_bytes=4 * 1024 * 1024, output_kill_bytes=8 * 1024 * 1024)
+CHECK_LIMITS = Limits(timeout_s=30.0, cpu_s=20, memory_mb=512, nproc=64, nofile=64, fsize_mb=4, tmpfs_mb=16,
+                      output_keep_bytes=64 * 1024, output_kill_bytes=1024 * 1024)
+
+
+def episode_limits(commands: int) -> Limits:
+    """Limits for a sandbox that runs ``commands`` commands back to back."""
+    return Limits(timeout_s=5.0 + COMMAND_TIMEOUT_S * commands, **_EPISODE_LIMITS)
+
+
+# Runs inside the sandbox as /sandbox/main.py: unpack the workspace into /tmp, run each command of
+# /sandbox/commands.json with bash in it, and print one JSON line: each command's exit status, seconds,
+# output size and (cut) output, and with "--tar" the workspace afterwards as a base64 tar archive.
+_EPISODE_RUNNER = r"""
+import base64, ctypes, io, json, os, subprocess, sys, tarfile, time
+try:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: commands cannot reach this process
+except Exception:
+    pass
+limit, timeout = int(sys.argv[1]), float(sys.argv[2])
+want_tar = '--tar' in sys.argv
+with tarfile.open('/sandbox/workspace.tar') as archive:
+    archive.extractall('/tmp', filter='data')
+env = dict(os.environ, BASH_ENV='/sandbox/bashrc')
+with open('/sandbox/commands.json', encoding='utf-8') as f:
+    commands = json.load(f)
+results = []
+for command in commands:
+    began = time.monotonic()
+    # output goes to a memfd: bounded by RLIMIT_FSIZE, never a file in the workspace, never a pipe to drain
+    sink = os.memfd_create('output')
+    proc = subprocess.Popen(['/bin/bash', '-c', command], cwd='/tmp', stdin=subprocess.DEVNULL, stdout=sink,
+                            stderr=sink, start_new_session=True, env=env)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    try:
+        os.killpg(proc.pid, 9)  # whatever the command left running in its group goes too
+    except OSError:
+        pass
+    if code is None:
+        proc.wait()
+    size = os.fstat(sink).st_size
+    data = os.pread(sink, limit, 0)
+    os.close(sink)
+    results.append({'exit': code, 'seconds': round(time.monotonic() - began, 3), 'bytes': size,
+                    'output': data.decode('utf-8', 'replace')})
+out = {'results': results}
+if want_tar:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode='w') as archive:
+        for name in sorted(os.listdir('/tmp')):
+            archive.add(os.path.join('/tmp', name), arcname=name)
+    out['workspace'] = base64.b64encode(buffer.getvalue()).decode()
+sys.stdout.write('\n' + json.dumps(out) + '\n')
+"""
+
+# Runs inside a fresh sandbox as /sandbox/main.py: the nonce comes on stdin, then stdin is closed and
+# the process made non-dumpable BEFORE anything of the workspace runs; the workspace is unpacked into
+# /tmp; the task's checker (/sandbox/check.py) runs in this process with helpers that run workspace
+# programs only as subprocesses. PASS <nonce> only after the checker returned.
+_CHECK_RUNNER = r"""
+import ctypes, os, subprocess, sys, tarfile
+nonce = sys.stdin.readline().strip()
+os.close(0)
+try:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
+with tarfile.open('/sandbox/workspace.tar') as archive:
+    archive.extractall('/tmp', filter='data')
+os.chdir('/tmp')
+
+def sh(command, timeout=5.0, stdin=''):
+    '''Run a shell command in the workspace; (exit status, stdout, stderr) as plain strings.'''
+    try:
+        done = subprocess.run(['/bin/bash', '-c', command], cwd='/tmp', input=stdin.encode(),
+                              capture_output=True, timeout=timeout, env=dict(os.environ, BASH_ENV='/sandbox/bashrc'))
+    except subprocess.TimeoutExpired:
+        return None, '', 'timeout'
+    return done.returncode, done.stdout.decode('utf-8', 'replace'), done.stderr.decode('utf-8', 'replace')
+
+def read(path):
+    with open(os.path.join('/tmp', path), encoding='utf-8', errors='replace') as f:
+        return f.read()
+
+def exists(path):
+    return os.path.exists(os.path.join('/tmp', path))
+
+with open('/sandbox/check.py', encoding='utf-8') as f:
+    source = f.read()
+scope = {'sh': sh, 'read': read, 'exists': exists, '__name__': 'check'}
+try:
+    exec(compile(source, 'check.py', 'exec'), scope)
+except AssertionError as error:
+    print('FAIL ' + ' '.join(str(error).split())[:200])
+    sys.exit(0)
+except Exception as error:
+    print('FAIL ' + type(error).__name__ + ': ' + ' '.join(str(error).split())[:200])
+    sys.exit(0)
+print('PASS ' + nonce)
+"""
+
+
+@dataclass(frozen=True)
+class TerminalTask:
+    """One task file: what the agent is asked, its workspace, its checker, and a reference solution."""
+
+    name: str
+    split: Split
+    prompt: str
+    files: dict[str, str]
+    check: str
+    solution: list[str]
+
+    @classmethod
+    def load(cls, path: Path) -> TerminalTask:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise ValueError(f"terminal task {path}: cannot read it: {error}") from error
+        missing = [key for key in ("prompt", "files", "check", "solution") if key not in data]
+        if missing:
+            raise ValueError(f"terminal task {path}: missing {', '.join(missing)}")
+        split = data.get("split", "train")
+        if split not in ("train", "eval"):
+            raise ValueError(f"terminal task {path}: split must be 'train' or 'eval', not {split!r}")
+        files = data["files"]
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise ValueError(f"terminal task {path}: [files] must map relative paths to text")
+        for name in files:
+            if name.startswith("/") or ".." in Path(name).parts:
+                raise ValueError(f"terminal task {path}: file {name!r} must be a relative path inside the workspace")
+        if not isinstance(data["solution"], list) or not all(isinstance(c, str) for c in data["solution"]):
+            raise ValueError(f"terminal task {path}: solution must be a list of shell commands")
+        return cls(name=path.stem, split=split, prompt=data["prompt"].strip(), files=dict(files),
+                   check=data["check"], solution=list(data["solution"]))
+
+
+def workspace_tar(files: dict[str, str]) -> bytes:
+    """The task's files as an uncompressed tar archive (mode 0644; 0755 for files starting with #!)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name in sorted(files):
+            data = files[name].encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 0
+            info.mode = 0o755 if files[name].startswith("#!") else 0o644
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+
+@cache
+def bashrc() -> str:
+    """Shell functions standing in for the /usr/bin links that go through /etc/alternatives (awk, vi ...).
+
+    The sandbox shows /usr but not /etc/alternatives, so `awk` (a link to /etc/alternatives/awk, a
+    link to mawk) would be missing; bash reads this file (BASH_ENV) before every command.
+    """
+    lines = []
+    for folder in ("/usr/bin", "/usr/sbin"):
+        for link in sorted(Path(folder).glob("*")):
+            with contextlib.suppress(OSError):
+                if link.is_symlink() and os.readlink(link).startswith("/etc/alternatives/"):
+                    target = os.path.realpath(link)
+                    if target.startswith("/usr/") and re.fullmatch(r"[A-Za-z0-9_.+-]+", link.name):
+                        lines.append(f'{link.name}() {{ {target} "$@"; }}; export -f {link.name}')
+    return "\n".join(lines) + "\n"
+
+
+def _audit(record: Any) -> dict[str, Any]:
+    return {**record.to_row(), "started_at": record.started_at.isoformat()}
+
+
+def run_commands(tar: bytes, commands: list[str], *, purpose: str, want_tar: bool = False,
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
+    """Run ``commands`` in a fresh sandbox on the workspace ``tar``: (runner's JSON or None, audit row, error)."""
+    args = [str(MAX_OUTPUT), str(COMMAND_TIMEOUT_S)] + (["--tar"] if want_tar else [])
+    record = run_python(_EPISODE_RUNNER, purpose=purpose, limits=episode_limits(len(commands)), args=args,
+                        files={"workspace.tar": tar, "commands.json": json.dumps(commands), "bashrc": bashrc()})
+    last = record.stdout.rstrip("\n").rsplit("\n", 1)[-1] if record.stdout else ""
+    try:
+        data = json.loads(last)
+        if not isinstance(data, dict) or len(data.get("results", [])) != len(commands):
+            raise ValueError("wrong shape")
+    except ValueError:
+        error = record.limit_hit or (record.stderr.strip().splitlines() or [f"exit {record.exit_code}"])[-1]
+        return None, _audit(record), f"the terminal failed ({error[:200]})"
+    return data, _audit(record), ""
+
+
+def describe(result: dict[str, Any]) -> str:
+    """A command's result as the policy sees it: its output, cut, and a line when it failed or was cut."""
+    text = result["output"]
+    if result["bytes"] > MAX_OUTPUT:
+        text = text.rstrip("\n") + f"\n[output truncated: {result['bytes']} bytes, first {MAX_OUTPUT} shown]"
+    if result["exit"] is None:
+        text = text.rstrip("\n") + f"\n[killed after {COMMAND_TIMEOUT_S:g} s]"
+    elif result["exit"] != 0:
+        text = text.rstrip("\n") + f"\n[exit status {result['exit']}]"
+    return text.strip("\n") or "(no output)"
+
+
+class TerminalTool(Tool):
+    """One shell command in the sandboxed workspace; earlier commands of the episode are replayed first."""
+
+    name: ClassVar[str] = TOOL
+    description: ClassVar[str] = (
+        "Runs one bash command in the task's workspace (no network) and replies with its output.")
+    stateful: ClassVar[bool] = True  # the rollout passes the episode's earlier commands (run_after)
+
+    def run(self, call: str, problem: Problem) -> ToolOutput:
+        return self.run_after([], call, problem)
+
+    def run_after(self, earlier: list[str], call: str, problem: Problem) -> ToolOutput:
+        """Run ``call`` after replaying ``earlier`` (this episode's earlier commands) in a fresh workspace."""
+        if len(call) > MAX_COMMAND_CHARS:
+            return ToolOutput(f"refused: the command is longer than {MAX_COMMAND_CHARS} characters", error=True)
+        tar = base64.b64decode(problem.payload["workspace"])
+        data, audit, error = run_commands(tar, [*earlier, call], purpose="tool:terminal")
+        if data is None:
+            return ToolOutput(error, error=True, sandbox_runs=[audit])
+        result = data["results"][-1]
+        return ToolOutput(describe(result), error=result["exit"] != 0, sandbox_runs=[audit])
+
+
+class Terminal(Environment):
+    """Shell tasks in a sandboxed workspace; done when the task's checker passes in a fresh sandbox."""
+
+    name: ClassVar[str] = "terminal"
+    kind: ClassVar[str] = "terminal"
+    source: ClassVar[str] = "data/terminal/tasks (written for this project, Apache-2.0 like the code)"
+    tools: ClassVar[dict[str, Tool]] = {TOOL: TerminalTool()}
+    max_turns: ClassVar[int] = 6
+    system_prompt: ClassVar[str] = (
+        "You work in a Linux terminal, in a folder holding the task's files. Run one bash command per turn: "
+        "write it between <bash> and </bash> and stop. Its output comes back in the next message. "
+        "There is no network. When the task is done, reply without a command. You have 5 turns of commands.")
+    examples: ClassVar[tuple[tuple[str, str], ...]] = ()
+    worked_example: ClassVar[tuple[Message, ...]] = (
+        {"role": "user", "content": "Write the number of lines of notes.txt into count.txt."},
+        {"role": "assistant", "content": "<bash>\nwc -l < notes.txt\n</bash>"},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "<bash>\necho 3 > count.txt\n</bash>"},
+        {"role": "tool", "content": "(no output)"},
+        {"role": "assistant", "content": "count.txt now holds 3. Done."},
+    )
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path  # a folder of task files; None: the vendored data/terminal/tasks
+
+    @cached_property
+    def tasks(self) -> list[TerminalTask]:
+        folder = Path(self.path) if self.path else vendored_path("terminal", "tasks")
+        found = sorted(folder.glob("*.toml"))
+        if not found:
+            raise ValueError(f"terminal: no task files (*.toml) in {folder}")
+        return [TerminalTask.load(path) for path in found]
+
+    @cached_property
+    def _splits(self) -> dict[str, list[Problem]]:
+        splits: dict[str, list[Problem]] = {"train": [], "eval": []}
+        for task in self.tasks:
+            payload = {"task": task.name, "workspace": base64.b64encode(workspace_tar(task.files)).decode(),
+                       "files": sorted(task.files)}
+            splits[task.split].append(Problem.make(self.name, task.prompt, payload, task.split))
+        return splits
+
+    def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
+        import random
+
+        pool = self._splits[split]
+        if split == "eval":
+            return pool[:n]
+        # a small pool: draw with replacement beyond its size (curation drops the repeats as duplicates)
+        rng = random.Random(seed)
+        return rng.sample(pool, min(n, len(pool))) + [rng.choice(pool) for _ in range(max(0, n - len(pool)))]
+
+    def count(self, split: Split) -> int | None:
+        return len(self._splits[split])
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        chat = super().messages(problem)
+        chat[-1:-1] = [dict(message) for message in self.worked_example]
+        files = ", ".join(problem.payload.get("files", []))
+        chat[-1] = {"role": "user", "content": f"{problem.prompt}\n(Files here: {files}.)"}
+        return chat
+
+    def task(self, problem: Problem) -> TerminalTask:
+        name = problem.payload.get("task")
+        for task in self.tasks:
+            if task.name == name:
+                return task
+        raise ValueError(f"terminal: no task named {name!r}")
+
+    # -- the graded text: the command log ---------------------------------------------------------
+
+    def commands(self, completion: str) -> list[str]:
+        """The commands of a command log: every well-formed, non-blank <bash> block, in order, at most
+        ``max_turns - 1`` of them (an episode's last turn never runs a command)."""
+        found = [_clean_input(inner) for _, _, _, inner, well_formed in _blocks(completion, [TOOL]) if well_formed]
+        return [command for command in found if command.strip()][:self.max_turns - 1]
+
+    def episode_text(self, turns: list[Message]) -> str:
+        """The command log of an episode: its executed commands as <bash> blocks, then the final turn's prose."""
+        blocks = [f"<bash>\n{turn['input']}\n</bash>" for turn in turns
+                  if turn.get("role") == "tool" and isinstance(turn.get("input"), str)]
+        final = [t for t in turns if t.get("role") == "assistant"]
+        prose = strip_tool_blocks(str(final[-1]["content"]), self.tools).strip() if final else ""
+        # an unexecuted call in the last turn is removed above; a stray opening tag must not join the log
+        prose = prose.replace("<bash>", "").replace("</bash>", "")
+        return "\n".join([*blocks, prose]).strip()
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        """Replay the command log in a fresh sandbox, then run the task's checker in another fresh one."""
+        task = self.task(problem)
+        commands = self.commands(completion)
+        tar = base64.b64decode(problem.payload["workspace"])
+        runs: list[dict[str, Any]] = []
+        detail: dict[str, Any] = {"commands": [], "sandbox_runs": runs}
+        if commands:
+            data, audit, error = run_commands(tar, commands, purpose="terminal:replay", want_tar=True)
+            runs.append(audit)
+            if data is None or "workspace" not in data:
+                return Verdict.fail("terminal_failed", error=error, **detail)
+            detail["commands"] = [{"command": c[:200], "exit": r["exit"], "seconds": r["seconds"], "bytes": r["bytes"]}
+                                  for c, r in zip(commands, data["results"], strict=True)]
+            try:
+                tar = base64.b64decode(data["workspace"], validate=True)
+            except ValueError:
+                return Verdict.fail("terminal_failed", error="the workspace did not come back", **detail)
+        nonce = secrets.token_hex(16)
+        record = run_python(_CHECK_RUNNER, purpose="terminal:check", limits=CHECK_LIMITS,
+                            files={"workspace.tar": tar, "check.py": task.check, "bashrc": bashrc()},
+                            stdin=(nonce + "\n").encode())
+        runs.append(_audit(record))
+        lines = [line for line in record.stdout.splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        if last == f"PASS {nonce}" and record.exit_code == 0:
+            return Verdict.ok("tests_passed", **detail)
+        if last.startswith("FAIL "):
+            return Verdict.fail("tests_failed", check=last[5:], **detail)
+        return Verdict.fail("checker_error", limit=record.limit_hit, exit=record.exit_code,
+                            stderr=record.stderr[-300:], **detail)
+
+    def reference(self, problem: Problem) -> str | None:
+        return "\n".join(f"<bash>\n{command}\n</bash>" for command in self.task(problem).solution) + "\nDone."
+
+    def known_bad(self, problem: Problem, other: Problem | None) -> list[tuple[str, str]]:
+        """The verifier self-test's terminal battery (each must earn 0): claims, faked success, commands
+        past the turn limit, and another task's reference solution."""
+        labels = ("claim", "fake_pass", "fake_nonce", "read_checker", "past_turn_limit")
+        cases = list(zip(labels, self.hack_completions(problem), strict=True))
+        if other is not None and self.task(other).name != self.task(problem).name:
+            cases.append(("other_problem", self.reference(other) or ""))
+        return cases
+
+    def hack_completions(self, problem: Problem) -> list[str]:
+        """Claims without work, commands that fake success, and commands past the turn limit: all earn 0."""
+        return [
+            "The task is done. All tests pass.",
+            "<bash>\necho PASS\n</bash>",
+            "<bash>\necho 'PASS 0'; exit 0\n</bash>",
+            "<bash>\ncat /sandbox/check.py\n</bash>",
+            # the reference, but only after max_turns - 1 useless commands: those alone run
+            "\n".join(["<bash>\ntrue\n</bash>"] * (self.max_turns - 1))
+            + "\n" + (self.reference(problem) or ""),
+        ]

