@@ -427,6 +427,14 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule_arguments(parser: argparse.ArgumentParser, interval_default: str = "") -> None:
+    """--interval or --cron, and --iterations-per-run: how a deployment is scheduled (serve, deploy)."""
+    when = parser.add_mutually_exclusive_group()
+    when.add_argument("--interval", type=float, help=f"seconds between scheduled runs{interval_default}")
+    when.add_argument("--cron", help="cron schedule, e.g. '0 */6 * * *'")
+    parser.add_argument("--iterations-per-run", type=int, default=1, help="iterations per scheduled run (default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="evertrain", description=__doc__ and
                                      "Continuous RL post-training of language-model agents.")
@@ -472,10 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="run campaigns on a schedule as Prefect deployments (one run at a time)")
     srv.add_argument("--config", action="append", required=True, help="campaign TOML file (repeatable)")
-    when = srv.add_mutually_exclusive_group()
-    when.add_argument("--interval", type=float, help="seconds between scheduled runs (default 3600)")
-    when.add_argument("--cron", help="cron schedule, e.g. '0 */6 * * *'")
-    srv.add_argument("--iterations-per-run", type=int, default=1, help="iterations per scheduled run (default 1)")
+    _schedule_arguments(srv, interval_default=" (default 3600)")
     srv.add_argument("--port", type=int, default=4200, help="port of the Prefect server started when "
                      "PREFECT_API_URL is not set (default 4200, or a free one)")
     srv.set_defaults(func=cmd_serve)
@@ -505,10 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     dep = sub.add_parser("deploy", help="register campaign deployments (with schedules) in a Prefect work pool")
     dep.add_argument("--config", action="append", required=True, help="campaign TOML file (repeatable)")
     dep.add_argument("--pool", default="evertrain", help="work pool (created as a process pool if missing)")
-    dep_when = dep.add_mutually_exclusive_group()
-    dep_when.add_argument("--interval", type=float, help="seconds between scheduled runs")
-    dep_when.add_argument("--cron", help="cron schedule, e.g. '0 */6 * * *'")
-    dep.add_argument("--iterations-per-run", type=int, default=1, help="iterations per run (default 1)")
+    _schedule_arguments(dep)
     dep.set_defaults(func=cmd_deploy)
 
     exp = sub.add_parser("export", help="write a model version as a plain Hugging Face folder (+ MLflow model, card)")

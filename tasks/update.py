@@ -139,7 +139,7 @@ def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group],
         rewards = torch.tensor(rows["reward"].to_numpy(), dtype=torch.float32)[None, :]
         if overlong == "penalty" and cut.any():
             # DAPO's overlong penalty, in its simplest form: a cut completion earns less than any finished one
-            rewards[0, torch.from_numpy(cut)] = -1.0
+            rewards[0, torch.tensor(cut)] = -1.0
         if cfg.skip_zero_variance and bool(zero_variance(rewards)[0]):
             info["skipped_zero_variance_groups"] += int(source == iteration)
             continue

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +48,18 @@ def smoke_config_in(directory: Path, models_dir: Path, **overrides: object) -> C
     for key, value in overrides.items():
         data[key] = value
     return CampaignConfig.model_validate(data)
+
+
+def check_one_tool_call(rollout: Any) -> tuple[list[dict], int, int]:
+    """A stored rollout of one tool call then a final answer: its turns, reward, and a loss mask that
+    trains on the policy's tokens and never on the tool message. Returns (turns, tool start, tool end)."""
+    turns = json.loads(rollout.turns)
+    assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"], turns
+    assert rollout.tool_calls == 1 and rollout.reward == 1.0, (rollout.completion, rollout.reason)
+    start, end = turns[1]["tokens"]
+    mask = list(rollout.loss_mask)
+    assert set(mask[start:end]) == {0} and set(mask[:start]) == {1} and 1 in mask[end:]
+    return turns, start, end
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from evertrain.tasks.evaluate import (
     z_statistic,
 )
 from evertrain.tasks.promote import decide
-from evertrain.tasks.update import Group, Member, normaliser_length
+from evertrain.tasks.update import Group, Member, gather_groups, normaliser_length, start_version_of
 from tests.conftest import smoke_config_in
 
 # --- the gate's statistics ---------------------------------------------------------------------------
@@ -89,6 +89,37 @@ def test_dapo_means_clip_higher_and_overlong_masking():
     assert grpo.clip_upper == 0.2 and grpo.overlong_rule == "keep"
     assert UpdateConfig(algorithm="dapo", clip_high=0.3, overlong="penalty").clip_upper == 0.3
     assert UpdateConfig(kl_reference="base").kl_reference == "base"
+
+
+def test_dapo_masks_or_penalises_completions_cut_by_the_token_limit(tmp_path, models_dir):
+    config = smoke_config_in(tmp_path, models_dir, name="overlong", environments=[{"name": "digits", "weight": 1}],
+                             problems_per_iteration=2, group_size=4, eval={"problems_per_env": 2, "sealed_problems": 0})
+    rt = get_runtime(config)
+    for stage in ("curate", "rollout", "score"):
+        run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
+    # every group: rewards 0, .25, .5, .75 by sample, and its best-rewarded sample cut by the token limit
+    with rt.store.transaction() as con:
+        con.execute("UPDATE rollouts SET reward = sample * 0.25, "
+                    "finish_reason = CASE WHEN sample = 3 THEN 'length' ELSE 'stop' END WHERE campaign = 'overlong'")
+
+    def gathered(**update: object) -> list[Group]:
+        rt.config.update = UpdateConfig(**{**config.update.model_dump(), **update})
+        groups, info = gather_groups(rt, 0, start_version_of(rt, 0))
+        assert info["overlong_completions"] == 2
+        return groups
+
+    kept = gathered(algorithm="grpo")
+    masked = gathered(algorithm="dapo")
+    penalised = gathered(algorithm="dapo", overlong="penalty")
+    assert [len(g.members) for g in kept] == [4, 4] and [len(g.members) for g in penalised] == [4, 4]
+    # masked: the cut completion is not trained on, but still counts in its group's baseline
+    assert [len(g.members) for g in masked] == [3, 3]
+    for keep, mask in zip(kept, masked, strict=True):
+        assert [m.advantage for m in mask.members] == [m.advantage for m in keep.members[:3]]
+    # penalised: the cut completion, the best-rewarded one, now has the lowest advantage of its group
+    for group in penalised:
+        advantages = [m.advantage for m in group.members]
+        assert advantages[3] == min(advantages) < 0
 
 
 # --- splits -------------------------------------------------------------------------------------------

@@ -110,6 +110,16 @@ def _mlflow_runs(servers: dict[str, Any], campaign: str) -> list[str]:
             if "evertrain.base" not in r.data.tags]
 
 
+def _run_on_a_worker(client: Any, deployment_id: Any, config: Any, pool: str, env: dict[str, str],
+                     log: Path) -> str:
+    """Start a worker, trigger one run of the deployment, wait for its final state, kill the worker."""
+    worker = _start_worker(pool, env, log)
+    try:
+        return _wait_final(client, _trigger(client, deployment_id, config), worker, log)
+    finally:
+        _kill_worker(worker)
+
+
 def test_worker_runs_a_triggered_iteration_then_resumes_after_sigkill(servers, models_dir, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -127,35 +137,24 @@ def test_worker_runs_a_triggered_iteration_then_resumes_after_sigkill(servers, m
         assert "config" in deployment.parameter_openapi_schema["properties"]  # the UI's typed form
 
         # 1. a worker picks up a triggered run and completes a whole iteration against the servers
-        worker = _start_worker(pool, _env(servers, home), log)
-        try:
-            assert _wait_final(client, _trigger(client, deployment_id, config), worker, log) == "COMPLETED", \
-                log.read_text()[-3000:]
-        finally:
-            _kill_worker(worker)
+        assert _run_on_a_worker(client, deployment_id, config, pool, _env(servers, home), log) == "COMPLETED", \
+            log.read_text()[-3000:]
         first = _store_rows(config.paths.store, "team")
         assert first["rollouts"] == [(0, 32, 32, 32)]
         assert set(first["stages"].values()) == {"completed"} and len(first["stages"]) == 6
         assert _mlflow_runs(servers, "team") == ["FINISHED"]
 
         # 2. the next run's flow-run process is SIGKILLed inside the score stage's write, then the worker too
-        worker = _start_worker(pool, _env(servers, home, EVERTRAIN_KILL_AT="score:before_commit"), log)
-        try:
-            state = _wait_final(client, _trigger(client, deployment_id, config), worker, log)
-        finally:
-            _kill_worker(worker)
+        state = _run_on_a_worker(client, deployment_id, config, pool,
+                                 _env(servers, home, EVERTRAIN_KILL_AT="score:before_commit"), log)
         assert state in ("CRASHED", "FAILED"), state
         killed = _store_rows(config.paths.store, "team")
         assert killed["stages"][(1, "score")] == "running"
         assert killed["rollouts"] == [(0, 32, 32, 32), (1, 32, 32, 0)]  # the killed score wrote nothing
 
         # 3. a fresh worker's run resumes iteration 1 at score: nothing lost, nothing duplicated
-        worker = _start_worker(pool, _env(servers, home), log)
-        try:
-            assert _wait_final(client, _trigger(client, deployment_id, config), worker, log) == "COMPLETED", \
-                log.read_text()[-3000:]
-        finally:
-            _kill_worker(worker)
+        assert _run_on_a_worker(client, deployment_id, config, pool, _env(servers, home), log) == "COMPLETED", \
+            log.read_text()[-3000:]
     final = _store_rows(config.paths.store, "team")
     assert final["rollouts"] == [(0, 32, 32, 32), (1, 32, 32, 32)]
     assert set(final["stages"].values()) == {"completed"} and len(final["stages"]) == 12

@@ -17,7 +17,7 @@ from evertrain.envs.tools import replay_transcript
 from evertrain.models.policy import load_tokenizer
 from evertrain.runtime import get_runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
-from tests.conftest import smoke_config_in
+from tests.conftest import check_one_tool_call, smoke_config_in
 
 
 def _teach(model_dir, out_dir, messages: list[dict[str, str]], steps: int = 300) -> None:
@@ -68,13 +68,8 @@ def test_tool_rollout_is_stored_turn_by_turn_and_replays(tmp_path, models_dir):
     rollouts = rt.store.query("SELECT * FROM rollouts ORDER BY sample")
     assert (rollouts["problem_id"] == problem.id).all()
     for rollout in rollouts.itertuples(index=False):
-        turns = json.loads(rollout.turns)
-        assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"], turns
-        assert rollout.tool_calls == 1 and rollout.reward == 1.0, (rollout.completion, rollout.reason)
         # only the policy's tokens are trained on: the tool message is masked out
-        start, end = turns[1]["tokens"]
-        mask = list(rollout.loss_mask)
-        assert set(mask[start:end]) == {0} and set(mask[:start]) == {1} and 1 in mask[end:]
+        turns, start, end = check_one_tool_call(rollout)
         assert all(lp == 0.0 for lp in list(rollout.logprobs)[start:end])
         # replay from the stored rows: the same calls give the same tool replies
         replayed = replay_transcript(env, problem, turns)

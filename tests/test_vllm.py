@@ -20,7 +20,7 @@ import torch
 
 from evertrain.config import CampaignConfig
 from evertrain.models.policy import grouped_logprobs, load_policy, save_checkpoint, write_base_checkpoint
-from tests.conftest import ROOT, smoke_config_in
+from tests.conftest import ROOT, check_one_tool_call, smoke_config_in
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TOLERANCE = 2e-3
@@ -169,12 +169,7 @@ def test_tool_episode_through_vllm(taught_model, tmp_path):
     rollouts = rt.store.query("SELECT * FROM rollouts ORDER BY sample")
     env = rt.env("sql")
     for rollout in rollouts.itertuples(index=False):
-        turns = json.loads(rollout.turns)
-        assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"], turns
-        assert rollout.tool_calls == 1 and rollout.reward == 1.0, (rollout.completion, rollout.reason)
-        start, end = turns[1]["tokens"]
-        mask = list(rollout.loss_mask)
-        assert set(mask[start:end]) == {0} and set(mask[:start]) == {1} and 1 in mask[end:]
+        turns, _, _ = check_one_tool_call(rollout)
         problem = Problem("sql", rollout.problem_id, "", json.loads(rt.store.scalar(
             "SELECT payload FROM problems WHERE problem_id = ?", [rollout.problem_id])))
         replayed = replay_transcript(env, problem, turns)

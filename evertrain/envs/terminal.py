@@ -80,99 +80,10 @@ def episode_limits(commands: int) -> Limits:
     return Limits(timeout_s=5.0 + COMMAND_TIMEOUT_S * commands, **_EPISODE_LIMITS)
 
 
-# Runs inside the sandbox as /sandbox/main.py: unpack the workspace into /tmp, run each command of
-# /sandbox/commands.json with bash in it, and print one JSON line: each command's exit status, seconds,
-# output size and (cut) output, and with "--tar" the workspace afterwards as a base64 tar archive.
-_EPISODE_RUNNER = r"""
-import base64, ctypes, io, json, os, subprocess, sys, tarfile, time
-try:
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: commands cannot reach this process
-except Exception:
-    pass
-limit, timeout = int(sys.argv[1]), float(sys.argv[2])
-want_tar = '--tar' in sys.argv
-with tarfile.open('/sandbox/workspace.tar') as archive:
-    archive.extractall('/tmp', filter='data')
-env = dict(os.environ, BASH_ENV='/sandbox/bashrc')
-with open('/sandbox/commands.json', encoding='utf-8') as f:
-    commands = json.load(f)
-results = []
-for command in commands:
-    began = time.monotonic()
-    # output goes to a memfd: bounded by RLIMIT_FSIZE, never a file in the workspace, never a pipe to drain
-    sink = os.memfd_create('output')
-    proc = subprocess.Popen(['/bin/bash', '-c', command], cwd='/tmp', stdin=subprocess.DEVNULL, stdout=sink,
-                            stderr=sink, start_new_session=True, env=env)
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        code = None
-    try:
-        os.killpg(proc.pid, 9)  # whatever the command left running in its group goes too
-    except OSError:
-        pass
-    if code is None:
-        proc.wait()
-    size = os.fstat(sink).st_size
-    data = os.pread(sink, limit, 0)
-    os.close(sink)
-    results.append({'exit': code, 'seconds': round(time.monotonic() - began, 3), 'bytes': size,
-                    'output': data.decode('utf-8', 'replace')})
-out = {'results': results}
-if want_tar:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode='w') as archive:
-        for name in sorted(os.listdir('/tmp')):
-            archive.add(os.path.join('/tmp', name), arcname=name)
-    out['workspace'] = base64.b64encode(buffer.getvalue()).decode()
-sys.stdout.write('\n' + json.dumps(out) + '\n')
-"""
-
-# Runs inside a fresh sandbox as /sandbox/main.py: the nonce comes on stdin, then stdin is closed and
-# the process made non-dumpable BEFORE anything of the workspace runs; the workspace is unpacked into
-# /tmp; the task's checker (/sandbox/check.py) runs in this process with helpers that run workspace
-# programs only as subprocesses. PASS <nonce> only after the checker returned.
-_CHECK_RUNNER = r"""
-import ctypes, os, subprocess, sys, tarfile
-nonce = sys.stdin.readline().strip()
-os.close(0)
-try:
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-except Exception:
-    pass
-with tarfile.open('/sandbox/workspace.tar') as archive:
-    archive.extractall('/tmp', filter='data')
-os.chdir('/tmp')
-
-def sh(command, timeout=5.0, stdin=''):
-    '''Run a shell command in the workspace; (exit status, stdout, stderr) as plain strings.'''
-    try:
-        done = subprocess.run(['/bin/bash', '-c', command], cwd='/tmp', input=stdin.encode(),
-                              capture_output=True, timeout=timeout, env=dict(os.environ, BASH_ENV='/sandbox/bashrc'))
-    except subprocess.TimeoutExpired:
-        return None, '', 'timeout'
-    return done.returncode, done.stdout.decode('utf-8', 'replace'), done.stderr.decode('utf-8', 'replace')
-
-def read(path):
-    with open(os.path.join('/tmp', path), encoding='utf-8', errors='replace') as f:
-        return f.read()
-
-def exists(path):
-    return os.path.exists(os.path.join('/tmp', path))
-
-with open('/sandbox/check.py', encoding='utf-8') as f:
-    source = f.read()
-scope = {'sh': sh, 'read': read, 'exists': exists, '__name__': 'check'}
-try:
-    exec(compile(source, 'check.py', 'exec'), scope)
-except AssertionError as error:
-    print('FAIL ' + ' '.join(str(error).split())[:200])
-    sys.exit(0)
-except Exception as error:
-    print('FAIL ' + type(error).__name__ + ': ' + ' '.join(str(error).split())[:200])
-    sys.exit(0)
-print('PASS ' + nonce)
-"""
+# The programs that run inside the sandbox, as /sandbox/main.py: real modules, read once
+_IN_SANDBOX = Path(__file__).resolve().parent.parent / "sandbox"
+_EPISODE_RUNNER = (_IN_SANDBOX / "terminal_episode.py").read_text()
+_CHECK_RUNNER = (_IN_SANDBOX / "terminal_check.py").read_text()
 
 
 @dataclass(frozen=True)
