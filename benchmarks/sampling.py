@@ -31,19 +31,9 @@ def cpu() -> float:
 
 
 def process_tree_cpu(pid: int) -> float:
-    """CPU seconds of process ``pid`` and every live descendant (the vLLM engine core and its worker)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:
-            continue
-        pending += [int(c) for c in children]
-    return total
+    from evertrain.models.sampler import process_tree_cpu as tree
+
+    return tree(pid)
 
 
 def measure(sampler: Any, prompts: list[list[int]], n: int, greedy: bool, tokens: int, repeats: int,

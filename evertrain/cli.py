@@ -21,16 +21,19 @@ def _environment() -> None:
 
 def _config(args: argparse.Namespace) -> Any:
     """The campaign config: --config if given, else the one stored for --campaign, else the defaults."""
-    from evertrain.config import load_config, parse_config
+    from evertrain.config import apply_setting, load_config, parse_config
 
     overrides = {"name": getattr(args, "campaign", None)}
+    settings = getattr(args, "set", None) or []
     if getattr(args, "config", None):
-        return load_config(args.config, **overrides)
+        return load_config(args.config, settings, **overrides)
     if overrides["name"]:
         stored = _stored_config(overrides["name"], getattr(args, "store", None))
         if stored is not None:
+            for setting in settings:
+                apply_setting(stored, setting)
             return parse_config(stored, f"(stored for campaign {overrides['name']!r})")
-    return load_config(None, **overrides)
+    return load_config(None, settings, **overrides)
 
 
 def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | None:
@@ -444,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="campaign TOML file (default: the built-in defaults)")
     run.add_argument("--campaign", help="campaign name (overrides the config's)")
     run.add_argument("--iterations", type=int, help="how many iterations (omitted: run forever)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override one config value, e.g. --set generation.backend=vllm or "
+                          "--set environments.0.max_new_tokens=32 (repeatable; the value is read as TOML)")
     run.set_defaults(func=cmd_run)
 
     stage = sub.add_parser("stage", help="rerun one stage of one iteration (replaces that stage's rows)")

@@ -113,11 +113,30 @@ class SftConfig(_Strict):
     select: str = Field(
         DEFAULT_SFT_SELECT, description="SQL over the store returning (iteration, problem_id, sample) of the "
         "rollouts to imitate; $campaign and $iteration are bound. Default: this iteration's passed rollouts "
-        "(rejection-sampling fine-tuning).")
-    max_examples: int = Field(64, ge=1, description="At most this many selected trajectories (one per group first).")
-    learning_rate: float = Field(1e-4, gt=0, description="SFT learning rate (TRL SFTTrainer, LoRA on the trainee).")
+        "(rejection-sampling fine-tuning); with method = 'dpo' and select left at this default, this iteration's "
+        "scored rollouts of the groups holding both a pass and a fail.")
+    method: Literal["sft", "dpo"] = Field(
+        "sft", description="'sft': imitate the selected rollouts (TRL SFTTrainer). 'dpo': preference pairs formed "
+        "inside one group (same iteration and problem) of the selected rollouts, a passed one chosen over a failed "
+        "one (TRL DPOTrainer; the reference is the trainee the stage starts from).")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference.")
+    max_examples: int = Field(
+        64, ge=1, description="At most this many selected trajectories (dpo: pairs), one per group first.")
+    learning_rate: float = Field(1e-4, gt=0, description="SFT (or DPO) learning rate (TRL, LoRA on the trainee).")
     epochs: int = Field(1, ge=1, le=20, description="Passes over the selected trajectories.")
-    batch_size: int = Field(8, ge=1, description="Sequences per SFT step.")
+    batch_size: int = Field(8, ge=1, description="Sequences (dpo: pairs) per SFT step.")
+    prompt: Literal["as_sampled", "bare"] = Field(
+        "as_sampled", description="The prompt each selected completion is trained after: 'as_sampled' (the "
+        "prompt it was sampled from), or 'bare' (the same chat without its worked examples: system prompt and "
+        "question only). 'bare' is context distillation: what the model did when shown examples, verified by "
+        "the grader, is taught for the prompt a user actually sends.")
+    first_iterations: int = Field(
+        0, ge=0, description="Run the stage only in the campaign's first N iterations (a warm start, after which "
+        "RL goes on alone); 0 runs it in every iteration.")
+
+    def runs_in(self, iteration: int) -> bool:
+        """Whether the stage runs in ``iteration``."""
+        return self.enabled and (self.first_iterations == 0 or iteration < self.first_iterations)
 
 
 class GenerationConfig(_Strict):
@@ -170,6 +189,10 @@ class UpdateConfig(_Strict):
     epochs: int = Field(1, ge=1, description="Passes over the iteration's rollouts.")
     minibatch_size: int = Field(32, ge=1, description="Completions per optimizer step.")
     microbatch_size: int = Field(16, ge=1, description="Completions per forward/backward pass.")
+    microbatch_tokens: int = Field(
+        2048, ge=1, description="Padded completion tokens per forward/backward pass at most (rows x the longest "
+        "completion): a group with one long completion (a tool's 500-character output) is split across passes "
+        "instead of padding every row to it. Changes memory, not the gradient.")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip below 1 (epsilon_low).")
     clip_high: float | None = Field(
         None, gt=0, description="PPO ratio clip above 1 (default: 0.28 for dapo, its clip-higher; else clip_low).")
@@ -201,11 +224,19 @@ class UpdateConfig(_Strict):
     mode: Literal["sync", "async"] = Field(
         "sync", description="async: the next iteration's rollouts are sampled while this one's update runs "
         "(needs max_staleness >= 1).")
+    processes: int = Field(
+        1, ge=1, description="Data-parallel processes for the update (accelerate launch; gloo on CPU, NCCL on "
+        "GPUs, one GPU each): each takes whole groups of every minibatch and the gradients are summed, so N "
+        "processes take the same steps as one. 1 trains in the stage's own process.")
 
     @model_validator(mode="after")
     def _consistent(self) -> UpdateConfig:
         if self.microbatch_size > self.minibatch_size:
             raise ValueError("update.microbatch_size must not exceed update.minibatch_size")
+        if self.processes > 1 and self.lora.dropout > 0:
+            raise ValueError(f"update.processes = {self.processes} with update.lora.dropout = {self.lora.dropout}: "
+                             "each process would draw its own dropout masks, so N processes cannot take the steps "
+                             "one takes; set update.lora.dropout = 0 or update.processes = 1")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("update.mode = 'async' trains on rollouts one version old: set max_staleness >= 1")
         if self.replay and self.max_staleness < 1:
@@ -457,8 +488,45 @@ def parse_config(data: dict[str, Any], source: str = "(dict)") -> CampaignConfig
         raise ConfigError(_format_errors(error, source)) from None
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> CampaignConfig:
-    """Read a campaign config from TOML or JSON (the defaults when ``path`` is None), then apply overrides."""
+def apply_setting(data: dict[str, Any], setting: str) -> None:
+    """Apply one ``--set`` override, ``dotted.key=value``, to a config's raw data (in place).
+
+    The value is read as a TOML value (``2e-4``, ``true``, ``"vllm"``, ``[1, 2]``) and, when that fails, taken as
+    a plain string (``generation.backend=vllm``). A number in the path indexes a list:
+    ``environments.0.max_new_tokens=32``.
+    """
+    key, sep, raw = setting.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {setting!r}: expected KEY=VALUE, e.g. generation.backend=vllm")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    parts = key.strip().split(".")
+    node: Any = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[:depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {setting!r}: {where} is not an index of a list of {len(node)}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"--set {setting!r}: {'.'.join(parts[:depth])} is a value, not a table")
+
+
+def load_config(path: str | Path | None = None, settings: list[str] | None = None,
+                **overrides: Any) -> CampaignConfig:
+    """Read a campaign config from TOML or JSON (the defaults when ``path`` is None), then apply overrides
+    and ``settings`` (``dotted.key=value`` strings, see :func:`apply_setting`)."""
     data: dict[str, Any] = {}
     source = "(defaults)"
     if path is not None:
@@ -473,4 +541,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> CampaignCon
             kind = "JSON" if path.suffix == ".json" else "TOML"
             raise ConfigError(f"config file {path} is not valid {kind}: {error}") from None
     data.update({key: value for key, value in overrides.items() if value is not None})
+    for setting in settings or []:
+        apply_setting(data, setting)
+    if settings:
+        source += " with --set " + " ".join(settings)
     return parse_config(data, source)

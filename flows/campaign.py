@@ -44,7 +44,8 @@ def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
     done = rt.store.stage_status(rt.campaign, iteration)
     metrics: dict[str, Any] = {}
     for stage in STAGES:
-        if stage == "update" and config.sft.enabled and done.get("sft") != "completed":
+        if (stage == "update" and config.sft.runs_in(iteration) and done.get("sft") != "completed"
+                and done.get("update") != "completed"):
             from evertrain.tasks.sft import sft_task  # the optional stage between score and update
 
             metrics["sft"] = sft_task(config, iteration)

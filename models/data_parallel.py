@@ -5,7 +5,14 @@ takes its share of each minibatch's groups (whole groups: a group's completions 
 cache), computes its microbatch losses with the normaliser of the *whole* minibatch, and the gradients
 are summed across processes with an all-reduce before one identical optimizer step everywhere. Summing
 (not averaging, as DDP does) is what makes N processes equal one: each local loss is already its share
-of the minibatch loss. Process 0 writes the checkpoint and the per-step losses.
+of the minibatch loss. Process 0 writes the checkpoint, the optimizer state and the per-step report.
+
+The update stage (``update.processes > 1``, :func:`evertrain.tasks.update.update`) writes the spec and
+launches this module with :func:`launch`; it does the same as the stage's own loop: the ratio's anchor
+is the proximal log-probs the stage computed, each token is weighted by the truncated importance weight
+against the sampler's, per-completion temperatures, Dr.GRPO's constant length, the KL penalty to a
+reference, AdamW weight decay and restored moments, bfloat16 autocast, chunked log-probs and gradient
+checkpointing. What it cannot do the same is refused before launching (see the stage's docstring).
 
 Run it with a spec written by :func:`write_spec`::
 
@@ -19,37 +26,63 @@ would start a single process unless MPI is set up, so ``--multi_gpu`` (torch's e
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+REPORT = "losses.json"  # process 0's report in the output folder: losses, grad norms, statistics
+_RAISED = re.compile(r"^(?!.*ChildFailedError)(\[rank\d+\]: )?([\w.]+(Error|Exception)(: .*|$))")
+
 
 def write_spec(path: Path, *, checkpoint: str, groups: list[dict[str, Any]], minibatches: list[list[int]],
-               out: str, learning_rate: float, microbatch_size: int, temperature: float = 1.0, seed: int = 0,
+               out: str, learning_rate: float, microbatch_size: int, microbatch_tokens: int | None = None,
+               temperature: float = 1.0, seed: int = 0,
                algorithm: str = "grpo", clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float = 2.0,
-               finetune: str = "lora", lora: dict[str, Any] | None = None, max_grad_norm: float = 1.0) -> Path:
+               finetune: str = "lora", lora: dict[str, Any] | None = None, max_grad_norm: float = 1.0,
+               weight_decay: float = 0.0, max_completion_length: int | None = None, kl_coef: float = 0.0,
+               reference: str | None = None, precision: str = "float32", gradient_checkpointing: bool = False,
+               logprob_chunk: int | None = None, optimizer_state: str | None = None, cpu: bool | None = None,
+               threads: int | None = None) -> Path:
     """A JSON spec of the steps to take: ``groups`` are ``{"prompt", "members": [{"ids", "logprobs",
-    "advantage", "loss_mask"}]}``; ``minibatches`` lists group indices per optimizer step."""
+    "advantage", "loss_mask"}]}`` (a member may add ``"proximal"``: the ratio's anchor, the trainee's log-probs
+    before the update; without it the anchor is the current log-probs, right for one step of fresh rollouts;
+    and ``"temperature"``: what it was sampled with, default ``temperature``); ``minibatches`` lists group
+    indices per optimizer step. ``max_completion_length``: Dr.GRPO's constant (default: the minibatch's longest
+    completion); ``reference``: the KL penalty's checkpoint (with ``kl_coef > 0``); ``optimizer_state``: an
+    ``optimizer.pt`` whose AdamW moments to start from; ``cpu``: gloo on the CPU even where GPUs exist
+    (default: GPUs when there are any); ``threads``: torch threads per process."""
     path.write_text(json.dumps({
         "checkpoint": checkpoint, "groups": groups, "minibatches": minibatches, "out": out,
-        "learning_rate": learning_rate, "microbatch_size": microbatch_size, "temperature": temperature, "seed": seed,
+        "learning_rate": learning_rate, "microbatch_size": microbatch_size,
+        "microbatch_tokens": microbatch_tokens, "temperature": temperature, "seed": seed,
         "algorithm": algorithm, "clip_low": clip_low, "clip_high": clip_high, "is_cap": is_cap,
-        "finetune": finetune, "lora": lora or {}, "max_grad_norm": max_grad_norm}))
+        "finetune": finetune, "lora": lora or {}, "max_grad_norm": max_grad_norm, "weight_decay": weight_decay,
+        "max_completion_length": max_completion_length, "kl_coef": kl_coef, "reference": reference,
+        "precision": precision, "gradient_checkpointing": gradient_checkpointing, "logprob_chunk": logprob_chunk,
+        "optimizer_state": optimizer_state, "cpu": cpu, "threads": threads}))
     return path
 
 
-def _micro(groups: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
-    batches: list[list[dict[str, Any]]] = [[]]
-    count = 0
-    for group in groups:
-        if batches[-1] and count + len(group["members"]) > size:
-            batches.append([])
-            count = 0
-        batches[-1].append(group)
-        count += len(group["members"])
-    return [b for b in batches if b]
+def _micro(groups: list[dict[str, Any]], size: int, max_tokens: int | None = None) -> list[list[dict[str, Any]]]:
+    """The update stage's forward/backward passes (:func:`evertrain.models.grpo.pack_microbatches`)."""
+    from evertrain.models.grpo import pack_microbatches
+
+    return pack_microbatches(groups, size, max_tokens or 2**62, lambda g: g["members"], lambda m: len(m["ids"]),
+                             lambda g, part: {**g, "members": part})
+
+
+def _padded(rows: list[list[float]], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    out = torch.zeros(like.shape, dtype=dtype or like.dtype, device=like.device)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=out.dtype, device=out.device)
+    return out
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -58,59 +91,150 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     from evertrain.config import LoraConfig
     from evertrain.models.grpo import LossNorm, policy_loss
-    from evertrain.models.policy import grouped_logprobs, load_policy, read_manifest, save_checkpoint
+    from evertrain.models.policy import (
+        autocast,
+        enable_gradient_checkpointing,
+        grouped_logprobs,
+        load_policy,
+        read_manifest,
+        save_checkpoint,
+        update_precision,
+    )
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    cpu = spec.get("cpu")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else bool(cpu))
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
     rank, world = accelerator.process_index, accelerator.num_processes
+    device = str(accelerator.device)
     torch.manual_seed(spec["seed"])  # the same fresh adapter in every process
     model, tokenizer = load_policy(spec["checkpoint"], trainable=True, lora=LoraConfig(**spec["lora"]),
-                                   finetune=spec["finetune"], device=str(accelerator.device))
-    model.eval()  # deterministic forward (no dropout): every process computes the same function
+                                   finetune=spec["finetune"], device=device)
+    # train mode, as the stage's own loop (what gradient checkpointing needs); dropout would make the
+    # processes differ, so the stage refuses a model with any
+    model.train()
+    autocast_dtype = update_precision(spec.get("precision", "float32"), accelerator.device)
+    checkpointing = bool(spec.get("gradient_checkpointing"))
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    options = {"chunk": spec.get("logprob_chunk"), "shared_prefix": not checkpointing}
+    kl_coef = float(spec.get("kl_coef") or 0.0)
+    reference = None
+    if kl_coef > 0:
+        if not spec.get("reference"):
+            raise ValueError("kl_coef > 0 needs a reference checkpoint in the spec")
+        reference, _ = load_policy(spec["reference"], trainable=False, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec["learning_rate"])
-    groups, losses = spec["groups"], []
+    optimizer = torch.optim.AdamW(params, lr=spec["learning_rate"], weight_decay=spec.get("weight_decay", 0.0))
+    if spec.get("optimizer_state"):
+        optimizer.load_state_dict(torch.load(spec["optimizer_state"], weights_only=True))
+    groups, losses, grad_norms, is_weights = spec["groups"], [], [], []
+    stats_sum: dict[str, float] = {}
+    began = time.perf_counter()
     for minibatch in spec["minibatches"]:
         chosen = [groups[i] for i in minibatch]
         members = [m for g in chosen for m in g["members"]]
         norm = LossNorm(sequences=len(members), tokens=sum(sum(m["loss_mask"]) for m in members),
-                        max_completion_length=max(len(m["ids"]) for m in members))
+                        max_completion_length=spec.get("max_completion_length")
+                        or max(len(m["ids"]) for m in members))
         mine = chosen[rank::world]  # whole groups, dealt round-robin
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)
         local = torch.zeros((), device=accelerator.device)
-        for micro in _micro(mine, spec["microbatch_size"]):
+        for micro in _micro(mine, spec["microbatch_size"], spec.get("microbatch_tokens")):
             part = [m for g in micro for m in g["members"]]
-            logps, mask = grouped_logprobs(model, [g["prompt"] for g in micro],
-                                           [[m["ids"] for m in g["members"]] for g in micro],
-                                           temperature=spec["temperature"], pad_id=tokenizer.pad_token_id)
-            behaviour = torch.zeros_like(logps)
-            loss_mask = torch.zeros_like(mask)
-            for row, m in enumerate(part):
-                behaviour[row, :len(m["logprobs"])] = torch.tensor(m["logprobs"])
-                loss_mask[row, :len(m["loss_mask"])] = torch.tensor(m["loss_mask"], dtype=torch.bool)
-            mask = mask & loss_mask
-            anchor = logps.detach()  # the proximal policy: these are one step of fresh rollouts
+            prompts = [g["prompt"] for g in micro]
+            completions = [[m["ids"] for m in g["members"]] for g in micro]
+            temperature = torch.tensor([m.get("temperature", spec["temperature"]) for m in part], dtype=torch.float32)
+            with autocast(autocast_dtype, model):
+                logps, mask = grouped_logprobs(model, prompts, completions, temperature=temperature,
+                                               pad_id=tokenizer.pad_token_id, **options)
+            behaviour = _padded([m["logprobs"] for m in part], logps)
+            mask = mask & _padded([m["loss_mask"] for m in part], mask, torch.bool)
+            if all(m.get("proximal") is not None for m in part):
+                anchor = _padded([m["proximal"] for m in part], logps)  # the trainee before this update
+            else:
+                anchor = logps.detach()  # the proximal policy when these are one step of fresh rollouts
             weights = torch.exp(anchor - behaviour).clamp(max=spec["is_cap"]) * mask
-            advantages = torch.tensor([m["advantage"] for m in part], device=logps.device)
-            loss, _ = policy_loss(logps, anchor, advantages, mask, norm, algorithm=spec["algorithm"],
-                                  clip_low=spec["clip_low"], clip_high=spec["clip_high"], is_weights=weights)
+            is_weights.append(float(weights.sum() / mask.sum().clamp(min=1)))
+            ref_logps = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logps, _ = grouped_logprobs(reference, prompts, completions, temperature=temperature,
+                                                    pad_id=tokenizer.pad_token_id)
+            advantages = torch.tensor([m["advantage"] for m in part], dtype=torch.float32, device=logps.device)
+            loss, stats = policy_loss(logps, anchor, advantages, mask, norm, algorithm=spec["algorithm"],
+                                      clip_low=spec["clip_low"], clip_high=spec["clip_high"], ref_logps=ref_logps,
+                                      kl_coef=kl_coef, is_weights=weights)
             loss.backward()
             local += loss.detach()
-        for p in params:  # a process without groups still takes part, with zero gradients
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            for key, value in stats.items():
+                stats_sum[key] = stats_sum.get(key, 0.0) + value * len(part)
         if world > 1:
-            for p in params:
-                p.grad = accelerator.reduce(p.grad, reduction="sum")
+            # a parameter no process computed a gradient for stays without one (AdamW then skips it, as
+            # in one process); a process without groups still takes part, with zero gradients
+            present = torch.tensor([float(p.grad is not None) for p in params], device=accelerator.device)
+            present = accelerator.reduce(present, reduction="sum")
+            for p, anyone in zip(params, present.tolist(), strict=True):
+                if anyone:
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    p.grad = accelerator.reduce(grad, reduction="sum")
             local = accelerator.reduce(local, reduction="sum")
-        torch.nn.utils.clip_grad_norm_(params, spec["max_grad_norm"])
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, spec["max_grad_norm"])))
         optimizer.step()
         losses.append(float(local))
+    model_seconds = time.perf_counter() - began
+    parts = [{"stats_sum": stats_sum, "is_weights": is_weights}]
+    if world > 1:
+        parts = [{} for _ in range(world)]
+        torch.distributed.all_gather_object(parts, {"stats_sum": stats_sum, "is_weights": is_weights})
     if accelerator.is_main_process:
         out = Path(spec["out"])
         save_checkpoint(model, out, read_manifest(spec["checkpoint"])["base_model"])
-        (out / "losses.json").write_text(json.dumps({"losses": losses, "processes": world}))
+        torch.save(optimizer.state_dict(), out / "optimizer.pt")
+        total: dict[str, float] = {}
+        for part_stats in parts:
+            for key, value in part_stats["stats_sum"].items():
+                total[key] = total.get(key, 0.0) + value
+        (out / REPORT).write_text(json.dumps({
+            "losses": losses, "processes": world, "grad_norms": grad_norms, "stats_sum": total,
+            "is_weights": [w for part_stats in parts for w in part_stats["is_weights"]], "model_s": model_seconds}))
     accelerator.wait_for_everyone()
     return {"losses": losses, "processes": world}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for the processes' rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def launch(spec_path: Path, processes: int, *, cpu: bool, threads: int | None = None,
+           logs: Path | None = None) -> dict[str, Any]:
+    """Run the spec in ``processes`` processes (``accelerate launch --multi_gpu``, one GPU each, or gloo on
+    the CPU with ``cpu``) and return process 0's report. Their output goes to ``logs``/stdout.log and
+    stderr.log (default: beside the spec); a failed launch raises RuntimeError with the tail of stderr."""
+    spec = json.loads(spec_path.read_text())
+    logs = logs or spec_path.parent
+    logs.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+               str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", "evertrain.models.data_parallel", str(spec_path)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1" if cpu else "0"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with open(logs / "stdout.log", "w") as stdout, open(logs / "stderr.log", "w") as stderr:
+        done = subprocess.run(command, stdout=stdout, stderr=stderr, env=env, check=False)
+    report = Path(spec["out"]) / REPORT
+    if done.returncode != 0 or not report.exists():
+        text = (logs / "stderr.log").read_text(errors="replace")
+        # the processes' own exceptions first (torch's launcher ends stderr with its summary of them)
+        raised = [match.group(2).strip() for line in text.splitlines() if (match := _RAISED.match(line))]
+        causes = "; ".join(dict.fromkeys(raised)) or "see below"
+        raise RuntimeError(f"data-parallel update in {processes} processes failed (exit code {done.returncode}): "
+                           f"{causes[:2000]}\ncommand: {' '.join(command)}\nlogs: {logs}\n"
+                           f"the end of its stderr:\n{text[-4000:]}")
+    return json.loads(report.read_text())
 
 
 def main(argv: list[str] | None = None) -> None:

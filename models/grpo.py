@@ -13,7 +13,9 @@ older policy version are corrected rather than treated as on-policy. The three a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -90,3 +92,47 @@ def policy_loss(new_logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         if kl is not None:
             stats["kl_ref"] = float((kl * mask).sum() / tokens)
     return loss, stats
+
+
+G = TypeVar("G")
+
+
+def pack_microbatches(groups: Sequence[G], size: int, max_tokens: int, members: Callable[[G], Sequence[Any]],
+                      length: Callable[[Any], int], part: Callable[[G, list[Any]], G]) -> list[list[G]]:
+    """Groups packed in order into forward/backward passes of at most ``size`` completions and at most
+    ``max_tokens`` padded completion tokens (rows x the longest completion in the pass).
+
+    A group stays whole when it fits a pass of its own (its completions share one prefill of the prompt);
+    one that alone exceeds either limit is split into parts (``part(group, members)``), each a pass of its
+    own that runs the prompt again. The loss of every pass is normalised by its whole minibatch, so how the
+    minibatch is cut into passes changes memory, not the gradient. ``members(group)`` lists a group's
+    completions and ``length(member)`` gives one's token count.
+    """
+    def fits(rows: int, width: int) -> bool:
+        return rows <= size and rows * width <= max_tokens
+
+    batches: list[list[G]] = []
+    current: list[G] = []
+    rows = width = 0
+    for group in groups:
+        own = list(members(group))
+        longest = max((length(m) for m in own), default=0)
+        if current and not fits(rows + len(own), max(width, longest)):
+            batches.append(current)
+            current, rows, width = [], 0, 0
+        if not own or fits(rows + len(own), max(width, longest)):
+            current.append(group)
+            rows, width = rows + len(own), max(width, longest)
+            continue
+        chunk: list[Any] = []
+        chunk_width = 0
+        for member in own:  # the group alone is too large for one pass
+            if chunk and not fits(len(chunk) + 1, max(chunk_width, length(member))):
+                batches.append([part(group, chunk)])
+                chunk, chunk_width = [], 0
+            chunk.append(member)
+            chunk_width = max(chunk_width, length(member))
+        current, rows, width = [part(group, chunk)], len(chunk), chunk_width
+    if current:
+        batches.append(current)
+    return batches

@@ -308,6 +308,30 @@ def get_engine(config: CampaignConfig, base_model: str) -> VLLMEngine:
         return _engines[key]
 
 
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` and every live descendant, read from /proc (0 where there is none)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except (OSError, IndexError, ValueError):
+            continue
+        pending += [int(c) for c in children]
+    return total
+
+
+def engines_cpu_seconds() -> float:
+    """CPU seconds used so far by this process's vLLM engines (their processes and workers): a stage's cost
+    counts them beside its own, since the engine does the sampling the stage waits on."""
+    with _engines_lock:
+        engines = list(_engines.values())
+    return sum(process_tree_cpu(engine.process.pid) for engine in engines if engine.process.poll() is None)
+
+
 def shutdown_engines() -> None:
     """Stop every engine this process started (the end of a campaign process, tests)."""
     with _engines_lock:

@@ -87,9 +87,12 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process (every thread) and of its finished children (sandboxed graders)."""
+    """CPU seconds of this process (every thread), of its finished children (sandboxed graders) and of its
+    running vLLM engines (the sampling a stage waits on)."""
+    from evertrain.models.sampler import engines_cpu_seconds
+
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + engines_cpu_seconds()
 
 
 def stage_cost(rt: Runtime, metrics: dict[str, Any], wall: float, cpu: float) -> dict[str, float]:

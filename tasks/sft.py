@@ -18,14 +18,20 @@ Rerun and crash guarantees, like the other stages:
   by a killed run is ignored, and the rerun replaces it. A run that selects nothing removes any earlier
   run's checkpoint, so the update then starts from the trainee itself.
 - Which rollouts were trained on is recorded in the ``sft_examples`` table (replaced per iteration).
+
+With ``sft.method = "dpo"`` the stage trains on preference pairs instead, a passed rollout chosen over a
+failed one of the same group, with TRL's ``DPOTrainer`` (tasks/dpo.py); everything above holds the same,
+and ``sft_examples`` gives each rollout its ``pair`` and ``role`` ('chosen' or 'rejected').
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +51,7 @@ def checkpoint_dir(rt: Runtime, iteration: int) -> Path:
 
 def checkpoint_for(rt: Runtime, iteration: int) -> Path | None:
     """The SFT checkpoint the update of ``iteration`` starts from, or None (stage off, skipped, not finished)."""
-    if not rt.config.sft.enabled:
+    if not rt.config.sft.runs_in(iteration):
         return None
     if rt.store.stage_status(rt.campaign, iteration).get(STAGE) != "completed":
         return None
@@ -53,87 +59,170 @@ def checkpoint_for(rt: Runtime, iteration: int) -> Path | None:
     return path if path.is_dir() else None
 
 
+def run_select(rt: Runtime, iteration: int, chosen: str, build: Callable[[str], str]) -> Any:
+    """Run ``build(chosen)``, the SQL that wraps the selection SQL ``chosen``, with ``$campaign`` (and
+    ``$iteration`` where ``chosen`` uses it) bound; a failure names the ``sft.select`` setting."""
+    params = {name: value for name, value in (("campaign", rt.campaign), ("iteration", iteration))
+              if re.search(rf"\${name}\b", chosen)}
+    params["campaign"] = rt.campaign
+    try:
+        return rt.store.query(build(chosen), params)  # type: ignore[arg-type]  # DuckDB binds named parameters too
+    except Exception as error:
+        raise ValueError(f"sft.select failed: {error}") from error
+
+
 def select(rt: Runtime, iteration: int) -> Any:
     """The selected rollouts (token ids and loss masks), one per group first, at most ``max_examples``."""
     cfg = rt.config.sft
-    params = {name: value for name, value in (("campaign", rt.campaign), ("iteration", iteration))
-              if re.search(rf"\${name}\b", cfg.select)}
-    sql = f"""
-        WITH chosen AS ({cfg.select}),
+    return run_select(rt, iteration, cfg.select, lambda chosen: f"""
+        WITH chosen AS ({chosen}),
         picked AS (
             SELECT r.iteration, r.problem_id, r.sample, r.env, r.prompt_ids, r.completion_ids, r.loss_mask,
+                   p.messages,
                    row_number() OVER (PARTITION BY r.iteration, r.problem_id ORDER BY r.sample) AS rank_in_group
             FROM rollouts r JOIN chosen c
               ON r.iteration = c.iteration AND r.problem_id = c.problem_id AND r.sample = c.sample
+            LEFT JOIN problems p
+              ON p.campaign = r.campaign AND p.iteration = r.iteration AND p.problem_id = r.problem_id
             WHERE r.campaign = $campaign)
-        SELECT * FROM picked ORDER BY rank_in_group, iteration, problem_id, sample LIMIT {int(cfg.max_examples)}"""
-    params["campaign"] = rt.campaign
-    try:
-        return rt.store.query(sql, params)  # type: ignore[arg-type]  # DuckDB binds named parameters too
-    except Exception as error:
-        raise ValueError(f"sft.select failed: {error}") from error
+        SELECT * FROM picked ORDER BY rank_in_group, iteration, problem_id, sample LIMIT {int(cfg.max_examples)}""")
+
+
+def bare_chat(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``messages`` without worked examples: the leading system prompt(s) and the last message (the question)."""
+    if not messages:
+        raise ValueError("sft.prompt = 'bare': a selected rollout's problem has no stored chat")
+    system = []
+    for message in messages[:-1]:
+        if message.get("role") != "system":
+            break
+        system.append(message)
+    return [*system, messages[-1]]
+
+
+def prompt_ids_for(row: Any, tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt a selected completion is trained after: as sampled, or (``sft.prompt = 'bare'``) its chat
+    without worked examples, re-encoded."""
+    if prompt != "bare":
+        return [int(t) for t in row.prompt_ids]
+    from evertrain.models.policy import encode_chat
+
+    # context distillation: the same completion after the prompt without examples
+    if not isinstance(row.messages, str):
+        raise ValueError(f"sft.prompt = 'bare': problem {row.problem_id} of iteration {row.iteration} "
+                         "is not in the problems table")
+    return encode_chat(tokenizer, bare_chat(json.loads(row.messages)))
 
 
 def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
     from evertrain.tasks.update import start_version_of
 
     config, cfg = rt.config, rt.config.sft
+    dpo = cfg.method == "dpo"
     start_version = start_version_of(rt, iteration)
-    frame = select(rt, iteration)
+    if dpo:
+        from evertrain.tasks.dpo import select_pairs
+
+        frame = select_pairs(rt, iteration)
+    else:
+        frame = select(rt, iteration)
     path = checkpoint_dir(rt, iteration)
     examples = [{"campaign": rt.campaign, "iteration": iteration, "source_iteration": int(row.iteration),
-                 "problem_id": row.problem_id, "sample": int(row.sample), "env": row.env}
+                 "problem_id": row.problem_id, "sample": int(row.sample), "env": row.env,
+                 **({"pair": int(row.pair), "role": row.role} if dpo else {})}
                 for row in frame.itertuples(index=False)]
     rt.store.replace("sft_examples", {"campaign": rt.campaign, "iteration": iteration}, examples)
     if frame.empty:
         if path.exists():
             shutil.rmtree(path)
-        return {"selected": 0, "start_version": start_version, "steps": 0,
-                "skipped": "sft.select chose no rollouts: the update starts from the trainee"}
+        why = ("no selected group holds both a passed and a failed rollout" if dpo
+               else "sft.select chose no rollouts")
+        return {"selected": 0, "start_version": start_version, "steps": 0, **({"pairs": 0} if dpo else {}),
+                "skipped": f"{why}: the update starts from the trainee"}
 
     import torch
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
 
     from evertrain.models.policy import load_policy, save_checkpoint
 
-    rows = []
-    trained_tokens = 0
-    for row in frame.itertuples(index=False):
-        prompt, completion, mask = list(row.prompt_ids), list(row.completion_ids), list(row.loss_mask)
-        # the loss covers the policy's own tokens only: never the prompt, never a tool's output
-        labels = [-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask, strict=True)]
-        trained_tokens += sum(1 for m in mask if m)
-        rows.append({"input_ids": prompt + completion, "labels": labels})
     torch.manual_seed(seed_for(config.seed, iteration, STAGE, "init"))
     model, tokenizer = load_policy(rt.checkpoint(start_version), trainable=True, lora=config.update.lora,
                                    finetune=config.update.finetune, device=config.model.device)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    rewritten = 0
+
+    def prompt_of(row: Any) -> list[int]:
+        nonlocal rewritten
+        prompt = prompt_ids_for(row, tokenizer, cfg.prompt)
+        rewritten += prompt != [int(t) for t in row.prompt_ids]
+        return prompt
+
+    if dpo:
+        from evertrain.tasks.dpo import pair_rows, train_dpo
+
+        metrics = train_dpo(rt, iteration, model, tokenizer, pair_rows(frame, prompt_of), STAGE)
+    else:
+        metrics = _train_sft(rt, iteration, model, tokenizer, frame, prompt_of)
+    model.eval()
+    save_checkpoint(model, path, rt.base_model, parent_version=start_version, iteration=iteration, stage=STAGE,
+                    method=cfg.method)
+    return {
+        "selected": len(frame), "groups": int(frame[["iteration", "problem_id"]].drop_duplicates().shape[0]),
+        "start_version": start_version, "prompts_rewritten": rewritten, **metrics,
+    }
+
+
+def trainer_arguments(rt: Runtime, iteration: int, model: Any, stage: str) -> dict[str, Any]:
+    """The TRL training arguments the sft and dpo methods share: seeded, constant learning rate, no saving,
+    and the update's precision and gradient checkpointing (not TRL's defaults, which turn both on)."""
+    import torch
+
+    from evertrain.models.policy import update_precision
+
+    config, cfg = rt.config, rt.config.sft
+    device = next(model.parameters()).device
+    return {
+        "per_device_train_batch_size": cfg.batch_size, "num_train_epochs": cfg.epochs,
+        "learning_rate": cfg.learning_rate, "lr_scheduler_type": "constant", "logging_steps": 1,
+        "save_strategy": "no", "report_to": [], "seed": seed_for(config.seed, iteration, stage, "order"),
+        "max_length": None, "disable_tqdm": True, "use_cpu": device.type == "cpu", "dataloader_num_workers": 0,
+        "bf16": update_precision(config.update.precision, device) is torch.bfloat16,
+        "gradient_checkpointing": config.update.gradient_checkpointing,
+    }
+
+
+def _train_sft(rt: Runtime, iteration: int, model: Any, tokenizer: Any, frame: Any,
+               prompt_of: Callable[[Any], list[int]]) -> dict[str, Any]:
+    """Train ``model`` in place on the selected rollouts with TRL's SFTTrainer; returns the stage's metrics."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = rt.config.sft
+    rows = []
+    trained_tokens = 0
+    for row in frame.itertuples(index=False):
+        prompt, completion, mask = prompt_of(row), list(row.completion_ids), list(row.loss_mask)
+        # the loss covers the policy's own tokens only: never the prompt, never a tool's output
+        labels = [-100] * len(prompt) + [t if m else -100 for t, m in zip(completion, mask, strict=True)]
+        trained_tokens += sum(1 for m in mask if m)
+        rows.append({"input_ids": prompt + completion, "labels": labels})
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="evertrain-sft-") as scratch:
-        args = SFTConfig(
-            output_dir=scratch, per_device_train_batch_size=cfg.batch_size, num_train_epochs=cfg.epochs,
-            learning_rate=cfg.learning_rate, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-            report_to=[], seed=seed_for(config.seed, iteration, STAGE, "order"), max_length=None,
-            disable_tqdm=True, use_cpu=str(next(model.parameters()).device) == "cpu",
-            dataloader_num_workers=0,
-        )
+        args = SFTConfig(output_dir=scratch, **trainer_arguments(rt, iteration, model, STAGE))
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=tokenizer)
         result = trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     model_seconds = time.perf_counter() - began
-    model.eval()
-    save_checkpoint(model, path, rt.base_model, parent_version=start_version, iteration=iteration, stage=STAGE)
     return {
-        "selected": len(rows), "groups": int(frame[["iteration", "problem_id"]].drop_duplicates().shape[0]),
-        "start_version": start_version, "steps": int(result.global_step), "trained_tokens": trained_tokens * cfg.epochs,
+        "steps": int(result.global_step), "trained_tokens": trained_tokens * cfg.epochs,
         "loss_first": losses[0] if losses else 0.0, "loss_last": losses[-1] if losses else 0.0,
         "model_s": model_seconds,
     }
 
 
-@task(name="sft", cache_policy=NO_CACHE)
+# log_prints off: Prefect's print capture would break dill's own stdout capture inside `datasets` (its
+# fingerprinting disassembles functions with dis.dis and reads the text back), spilling bytecode into the log
+@task(name="sft", cache_policy=NO_CACHE, log_prints=False)
 def sft_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
     return run_stage(get_runtime(config), STAGE, iteration, sft)

@@ -14,29 +14,52 @@
 4. Save the checkpoint, log it to MLflow, register it with alias ``challenger``; it becomes the trainee.
 
 The starting version is fixed on the first run of the stage (a rerun trains from the same weights).
+
+With ``update.processes = N > 1`` step 3 runs in N data-parallel processes (``accelerate launch``, see
+:mod:`evertrain.models.data_parallel`; gloo on the CPU, NCCL on GPUs, one GPU each): the stage gathers the
+groups, computes the proximal log-probs, advantages and minibatch order as with one process, writes them
+to a spec, launches the processes, then loads the checkpoint they wrote and registers it as it would its
+own. Each process takes whole groups of every minibatch and the gradients are summed, so the steps are
+those of one process (up to float rounding: the sums are taken in another order). Everything the update
+does is done the same there: the decoupled objective and its importance weights, per-completion
+temperatures, DAPO's overlong filtering and penalty (they act on the gathered groups), Dr.GRPO's constant
+length, the KL penalty, weight decay, restored AdamW moments, ``precision``, ``logprob_chunk``,
+``gradient_checkpointing``, full fine-tuning and SFT results as the starting point. Refused, naming the
+settings, because N processes could not take the steps one takes:
+
+- ``update.lora.dropout > 0`` (config validation), and a model with any other dropout (stage start):
+  each process would draw its own dropout masks;
+- ``model.device`` naming one device (``cuda:1``) or a device other than the CPU or CUDA (stage start):
+  the processes take one GPU each, cuda:0 to cuda:N-1 (select them with CUDA_VISIBLE_DEVICES);
+- more processes than visible GPUs when the update runs on GPUs (stage start).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import os
 import random
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from evertrain.config import CampaignConfig
+from evertrain.config import CampaignConfig, UpdateConfig
 from evertrain.data.store import now
-from evertrain.models.grpo import LossNorm, group_advantages, policy_loss, zero_variance
+from evertrain.models.grpo import LossNorm, group_advantages, pack_microbatches, policy_loss, zero_variance
 from evertrain.models.policy import (
     autocast,
     enable_gradient_checkpointing,
     grouped_logprobs,
     load_policy,
+    resolve_device,
     save_checkpoint,
     update_precision,
 )
@@ -77,6 +100,12 @@ def _batches(groups: list[Group], size: int) -> list[list[Group]]:
         batches[-1].append(group)
         count += len(group.members)
     return [b for b in batches if b]
+
+
+def _passes(groups: list[Group], cfg: UpdateConfig) -> list[list[Group]]:
+    """Forward/backward passes: ``microbatch_size`` completions and ``microbatch_tokens`` padded tokens at most."""
+    return pack_microbatches(groups, cfg.microbatch_size, cfg.microbatch_tokens, lambda g: g.members,
+                             lambda m: len(m.ids), lambda g, part: replace(g, members=part))
 
 
 def _trainable_snapshot(model: Any) -> dict[str, torch.Tensor]:
@@ -169,12 +198,12 @@ def _temperatures(part: list[Member]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fill_proximal(model: Any, groups: list[Group], batch: int, temperature: float, pad: int,
+def _fill_proximal(model: Any, passes: list[list[Group]], temperature: float, pad: int,
                    **options: Any) -> None:
     """Log-probs of every member under the trainee before any step: the decoupled objective's anchor."""
     was_training = model.training
     model.eval()
-    for part in _batches(groups, batch):
+    for part in passes:
         logps, _ = grouped_logprobs(model, [g.prompt for g in part], [[m.ids for m in g.members] for g in part],
                                     temperature=_temperatures([m for g in part for m in g.members]), pad_id=pad,
                                     **options)
@@ -256,56 +285,87 @@ def restore_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer, start_versi
     return outcome
 
 
-def update(rt: Runtime, iteration: int) -> dict[str, Any]:
+def check_data_parallel(config: CampaignConfig) -> torch.device:
+    """The device of an ``update.processes > 1`` update; ValueError naming the settings N processes cannot honour."""
+    cfg, setting = config.update, f"update.processes = {config.update.processes}"
+    device = resolve_device(config.model.device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{setting} runs on the CPU (gloo) or on CUDA GPUs (NCCL), not on model.device = "
+                         f"{config.model.device!r}: set update.processes = 1")
+    if device.type == "cuda" and device.index is not None:
+        raise ValueError(f"{setting} takes one GPU per process (cuda:0 to cuda:{cfg.processes - 1}), which "
+                         f"model.device = {config.model.device!r} contradicts: set model.device = 'cuda' or 'auto' "
+                         "(CUDA_VISIBLE_DEVICES chooses the GPUs), or update.processes = 1")
+    if device.type == "cuda" and torch.cuda.device_count() < cfg.processes:
+        raise ValueError(f"{setting} takes one GPU per process, but {torch.cuda.device_count()} are visible: "
+                         f"set update.processes <= {torch.cuda.device_count()}, or model.device = 'cpu'")
+    return device
+
+
+def dropout_settings(model: Any) -> list[str]:
+    """The dropout ``model`` applies when training: modules with p > 0 and the config's dropout rates."""
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            found.setdefault(f"p={module.p}", f"{name} (p={module.p})")
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    settings = getattr(getattr(inner, "config", None), "to_dict", dict)()
+    for key, value in settings.items():
+        if (("dropout" in key or "pdrop" in key) and not key.startswith(("classifier", "summary"))
+                and isinstance(value, float) and value > 0):
+            found[key] = f"model config {key} = {value}"
+    return sorted(found.values())
+
+
+def _reference_checkpoint(rt: Runtime) -> Path:
+    """The KL penalty's reference: the champion or the base model (``update.kl_reference``)."""
+    anchor_version = rt.champion_version() if rt.config.update.kl_reference == "champion" else int(rt.store.scalar(
+        "SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [rt.campaign]))
+    return rt.checkpoint(anchor_version)
+
+
+def _train_data_parallel(rt: Runtime, iteration: int, groups: list[Group], schedule: list[list[Group]], *,
+                         source: Path, seed: int, longest: int, optimizer_file: Path | None,
+                         device: torch.device) -> tuple[dict[str, Any], Path]:
+    """The schedule's steps in ``update.processes`` processes; their report and the folder of their checkpoint."""
+    from evertrain.models.data_parallel import launch, write_spec
+
     config, cfg = rt.config, rt.config.update
-    start_version = start_version_of(rt, iteration)
-    groups, info = gather_groups(rt, iteration, start_version)
-    from evertrain.tasks.sft import checkpoint_for
+    scratch = rt.checkpoint_dir(iteration).with_name(f"iteration-{iteration}.data-parallel")
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    index = {id(g): i for i, g in enumerate(groups)}
+    spec_groups = [{"prompt": [int(t) for t in g.prompt], "members": [  # plain JSON (the store gives numpy scalars)
+        {"ids": [int(t) for t in m.ids], "logprobs": [float(x) for x in m.logprobs], "advantage": float(m.advantage),
+         "loss_mask": [int(x) for x in m.loss_mask], "temperature": float(m.temperature),
+         "proximal": None if m.proximal is None else [float(x) for x in m.proximal]} for m in g.members]}
+        for g in groups]
+    threads = max(1, (config.torch_threads or len(os.sched_getaffinity(0))) // cfg.processes)
+    spec = write_spec(
+        scratch / "spec.json", checkpoint=str(Path(source).resolve()), groups=spec_groups,
+        minibatches=[[index[id(g)] for g in minibatch] for minibatch in schedule], out=str(scratch / "out"),
+        learning_rate=cfg.learning_rate, microbatch_size=cfg.microbatch_size,
+        microbatch_tokens=cfg.microbatch_tokens, temperature=config.generation.temperature, seed=seed,
+        algorithm=cfg.algorithm, clip_low=cfg.clip_low,
+        clip_high=cfg.clip_upper, is_cap=cfg.is_cap, finetune=cfg.finetune, lora=cfg.lora.model_dump(),
+        max_grad_norm=cfg.max_grad_norm, weight_decay=cfg.weight_decay, max_completion_length=longest,
+        kl_coef=cfg.kl_coef, reference=str(_reference_checkpoint(rt).resolve()) if cfg.kl_coef > 0 else None,
+        precision=cfg.precision, gradient_checkpointing=cfg.gradient_checkpointing, logprob_chunk=cfg.logprob_chunk,
+        optimizer_state=str(optimizer_file.resolve()) if optimizer_file else None, cpu=device.type == "cpu",
+        threads=threads)
+    logging.getLogger("evertrain").info("update i=%d: %d steps in %d data-parallel processes (%s)", iteration,
+                                        len(schedule), cfg.processes, scratch)
+    return launch(spec, cfg.processes, cpu=device.type == "cpu", threads=threads), scratch / "out"
 
-    if not groups and checkpoint_for(rt, iteration) is None:
-        # nothing to learn from (and no SFT result to register): the weights would equal the trainee's, so
-        # no challenger is registered and evaluate and promote record themselves as skipped instead of
-        # judging a copy of the champion
-        _drop_registration(rt, iteration, start_version)
-        return {**info, "start_version": start_version, "steps": 0, "trained_sequences": 0, "trained_tokens": 0,
-                "skipped": "no informative group: every group's rewards agreed (or were too stale)"}
 
-    # a fresh adapter's initialisation, dropout and (below) the minibatch order all come from the campaign
-    # seed and the iteration, so a rerun of this stage trains from the same weights
-    torch.manual_seed(seed_for(config.seed, iteration, "update", "init"))
-    # the optional sft stage's result, when it ran for this iteration: the challenger is then SFT, then RL
-    source = checkpoint_for(rt, iteration) or rt.checkpoint(start_version)
-    model, tokenizer = load_policy(source, trainable=True, lora=cfg.lora,
-                                   finetune=cfg.finetune, device=config.model.device)
-    autocast_dtype = update_precision(cfg.precision, next(model.parameters()).device)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    # chunked log-probs; gradient checkpointing recomputes layers, which must not write to a shared KV cache twice
-    logprob_options = {"chunk": cfg.logprob_chunk, "shared_prefix": not cfg.gradient_checkpointing}
-    reference = None
-    if cfg.kl_coef > 0:
-        anchor_version = rt.champion_version() if cfg.kl_reference == "champion" else int(rt.store.scalar(
-            "SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [rt.campaign]))
-        reference, _ = load_policy(rt.checkpoint(anchor_version), trainable=False, device=config.model.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    optimizer_state = restore_optimizer(rt, optimizer, start_version, iteration)
-    before = _trainable_snapshot(model)
-    temperature, pad = config.generation.temperature, tokenizer.pad_token_id
-    began = time.perf_counter()
-    with autocast(autocast_dtype, model):
-        _fill_proximal(model, groups, cfg.microbatch_size, temperature, pad, **logprob_options)
-    model_seconds = time.perf_counter() - began
-    mismatch = mismatch_stats(groups, cfg.is_cap)
-
-    rng = random.Random(seed_for(config.seed, iteration, "update"))
+def _train_here(model: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                schedule: list[list[Group]], reference: Any, *, iteration: int, longest: int,
+                autocast_dtype: torch.dtype | None, pad: int, logprob_options: dict[str, Any],
+                cfg: UpdateConfig) -> tuple[int, list[float], list[float], list[float], dict[str, float], float]:
+    """The schedule's steps in this process: steps, losses, grad norms, importance weights, statistics, seconds."""
     steps, stats_sum, losses, grad_norms, is_weights = 0, {}, [], [], []
-    longest = normaliser_length(rt, groups)
-    schedule = []
-    for _epoch in range(cfg.epochs if groups else 0):
-        order = groups[:]
-        rng.shuffle(order)
-        schedule += _batches(order, cfg.minibatch_size)
+    model_seconds = 0.0
     with progress(len(schedule), f"update   i={iteration}", "step") as bar:
         for minibatch in schedule:
             members = [m for g in minibatch for m in g.members]
@@ -314,7 +374,7 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             began = time.perf_counter()
             total = 0.0
-            for micro in _batches(minibatch, cfg.microbatch_size):
+            for micro in _passes(minibatch, cfg):
                 prompts = [g.prompt for g in micro]
                 completions = [[m.ids for m in g.members] for g in micro]
                 part = [m for g in micro for m in g.members]
@@ -348,12 +408,102 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
             losses.append(total)
             steps += 1
             bar.update(1)
+    return steps, losses, grad_norms, is_weights, stats_sum, model_seconds
 
-    delta = math.sqrt(sum(float((p.detach() - before[n]).pow(2).sum())
+
+def update(rt: Runtime, iteration: int) -> dict[str, Any]:
+    """The update stage for ``iteration`` (in ``update.processes`` processes); its metrics."""
+    config, cfg = rt.config, rt.config.update
+    device = check_data_parallel(config) if cfg.processes > 1 else None
+    start_version = start_version_of(rt, iteration)
+    groups, info = gather_groups(rt, iteration, start_version)
+    from evertrain.tasks.sft import checkpoint_for
+
+    if not groups and checkpoint_for(rt, iteration) is None:
+        # nothing to learn from (and no SFT result to register): the weights would equal the trainee's, so
+        # no challenger is registered and evaluate and promote record themselves as skipped instead of
+        # judging a copy of the champion
+        _drop_registration(rt, iteration, start_version)
+        return {**info, "start_version": start_version, "steps": 0, "trained_sequences": 0, "trained_tokens": 0,
+                "processes": 1, "skipped": "no informative group: every group's rewards agreed (or were too stale)"}
+
+    # a fresh adapter's initialisation, dropout and (below) the minibatch order all come from the campaign
+    # seed and the iteration, so a rerun of this stage trains from the same weights
+    init_seed = seed_for(config.seed, iteration, "update", "init")
+    torch.manual_seed(init_seed)
+    # the optional sft stage's result, when it ran for this iteration: the challenger is then SFT, then RL
+    source = checkpoint_for(rt, iteration) or rt.checkpoint(start_version)
+    model, tokenizer = load_policy(source, trainable=True, lora=cfg.lora,
+                                   finetune=cfg.finetune, device=config.model.device)
+    if device is not None and (dropout := dropout_settings(model)):
+        raise ValueError(f"update.processes = {cfg.processes}, but the model applies dropout ({', '.join(dropout)}): "
+                         "each process would draw its own masks, so N processes cannot take the steps one takes; "
+                         "set update.processes = 1 (or a model and update.lora.dropout without dropout)")
+    autocast_dtype = update_precision(cfg.precision, next(model.parameters()).device)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    # chunked log-probs; gradient checkpointing recomputes layers, which must not write to a shared KV cache twice
+    logprob_options = {"chunk": cfg.logprob_chunk, "shared_prefix": not cfg.gradient_checkpointing}
+    reference = None
+    if cfg.kl_coef > 0 and device is None:  # data-parallel processes load their own
+        reference, _ = load_policy(_reference_checkpoint(rt), trainable=False, device=config.model.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer_state = restore_optimizer(rt, optimizer, start_version, iteration)
+    before = _trainable_snapshot(model)
+    temperature, pad = config.generation.temperature, tokenizer.pad_token_id
+    began = time.perf_counter()
+    with autocast(autocast_dtype, model):
+        _fill_proximal(model, _passes(groups, cfg), temperature, pad, **logprob_options)
+    model_seconds = time.perf_counter() - began
+    mismatch = mismatch_stats(groups, cfg.is_cap)
+
+    rng = random.Random(seed_for(config.seed, iteration, "update"))
+    longest = normaliser_length(rt, groups)
+    schedule = []
+    for _epoch in range(cfg.epochs if groups else 0):
+        order = groups[:]
+        rng.shuffle(order)
+        schedule += _batches(order, cfg.minibatch_size)
+    processes = cfg.processes if device is not None and schedule else 1
+    trained_elsewhere: Path | None = None
+    if processes > 1:
+        assert device is not None
+        # the processes load their own copies: this one's leaves memory (on a GPU, the first process's)
+        before = {name: value.cpu() for name, value in before.items()}
+        del model, optimizer, params
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        optimizer_file = rt.checkpoint(start_version) / "optimizer.pt" if optimizer_state == "restored" else None
+        with progress(len(schedule), f"update   i={iteration}", "step") as bar:
+            report, trained_elsewhere = _train_data_parallel(
+                rt, iteration, groups, schedule, source=Path(source), seed=init_seed, longest=longest,
+                optimizer_file=optimizer_file, device=device)
+            bar.update(len(schedule))
+        if report["processes"] != processes:
+            raise RuntimeError(f"the data-parallel update ran {report['processes']} processes, not {processes}")
+        # the trained checkpoint, loaded as this process would have held it after its own loop
+        model, _ = load_policy(trained_elsewhere, trainable=True, lora=cfg.lora, finetune=cfg.finetune,
+                               device=config.model.device)
+        steps, losses, grad_norms = len(report["losses"]), report["losses"], report["grad_norms"]
+        is_weights, stats_sum = report["is_weights"], report["stats_sum"]
+        model_seconds += report["model_s"]
+    else:
+        steps, losses, grad_norms, is_weights, stats_sum, seconds = _train_here(
+            model, optimizer, params, schedule, reference, iteration=iteration, longest=longest,
+            autocast_dtype=autocast_dtype, pad=pad, logprob_options=logprob_options, cfg=cfg)
+        model_seconds += seconds
+
+    delta = math.sqrt(sum(float((p.detach() - before[n].to(p.device)).pow(2).sum())
                           for n, p in model.named_parameters() if p.requires_grad))
     path = save_checkpoint(model, rt.checkpoint_dir(iteration), rt.base_model, parent_version=start_version,
                            iteration=iteration)
-    torch.save(optimizer.state_dict(), path / "optimizer.pt")
+    if trained_elsewhere is not None:
+        shutil.copyfile(trained_elsewhere / "optimizer.pt", path / "optimizer.pt")
+        shutil.rmtree(trained_elsewhere.parent, ignore_errors=True)
+    else:
+        torch.save(optimizer.state_dict(), path / "optimizer.pt")
 
     # rerun-safe registration: drop what an earlier (or killed) run of this stage registered for this
     # iteration, unless the registry already serves it as champion
@@ -381,6 +531,7 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
         "is_weight_mean": sum(is_weights) / len(is_weights) if is_weights else 1.0,
         "weight_delta_norm": delta, "model_s": model_seconds, "normaliser_length": longest,
         "clip_high": cfg.clip_upper, "optimizer_restored": float(optimizer_state == "restored"),
+        "processes": processes,
     }
     metrics.update({key: value / trained for key, value in stats_sum.items() if key != "tokens"})
     metrics.update(mismatch)

@@ -66,3 +66,28 @@ def test_cli_refuses_bad_config_and_writes_nothing(tmp_path, body):
     assert result.returncode == 2, result.stderr
     assert "evertrain: error:" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["campaign.toml"]  # no store, no mlflow, nothing
+
+
+def test_set_overrides_one_value_and_names_a_bad_one():
+    config = load_config(ROOT / "configs" / "default.toml", ["generation.backend=vllm", "update.learning_rate=3e-4",
+                                                            "environments.0.max_new_tokens=32"])
+    assert (config.generation.backend, config.update.learning_rate) == ("vllm", 3e-4)
+    assert config.environments[0].max_new_tokens == 32
+    assert load_config(ROOT / "configs" / "default.toml").generation.backend == "auto"  # the file is untouched
+    for setting, words in [("generation.backend", "expected KEY=VALUE"),
+                           ("environments.7.weight=1", "not an index of a list of 2"),
+                           ("seed.x=1", "seed is a value"),
+                           ("generation.backend=gpu", "generation.backend: Input should be")]:
+        with pytest.raises(ConfigError, match=words):
+            load_config(ROOT / "configs" / "default.toml", [setting])
+
+
+def test_cli_set_refuses_a_bad_override_and_writes_nothing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "evertrain.cli", "run", "--config", str(ROOT / "configs" / "smoke.toml"),
+         "--set", "update.learning_rate=-1", "--iterations", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "update.learning_rate:" in result.stderr and "--set update.learning_rate=-1" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -122,3 +122,22 @@ def test_importance_correction_is_active_and_bounded_for_bf16_sampling(tmp_path,
     # active: weights differ from 1 and some exceeded the cap; bounded: the mean applied weight is within the cap
     assert bf16["is_weight_max"] > 1.0 and 0 < bf16["is_clipped_share"] < 1
     assert 0 < bf16["is_weight_mean"] <= 1.0 and bf16["is_weight_mean"] != 1.0
+
+
+def test_microbatches_keep_groups_whole_until_a_long_completion_would_pad_every_row():
+    from evertrain.models.grpo import pack_microbatches
+
+    def pack(groups, size=16, tokens=2048):
+        return pack_microbatches(groups, size, tokens, lambda g: g[1], len, lambda g, part: (g[0], part))
+
+    short = [("a", [[1] * 24] * 8), ("b", [[1] * 24] * 8), ("c", [[1] * 24] * 8)]
+    assert [[g[0] for g in p] for p in pack(short)] == [["a", "b"], ["c"]]  # by count: groups stay whole
+    # one 564-token completion (a tool's long output) in a group: 16 rows x 564 would be 9,024 padded tokens
+    long = [("a", [[1] * 24] * 8), ("t", [[1] * 30] * 7 + [[1] * 564]), ("b", [[1] * 24] * 8)]
+    passes = pack(long)
+    for p in passes:
+        rows = [m for g in p for m in g[1]]
+        assert len(rows) <= 16 and len(rows) * max(len(m) for m in rows) <= 2048
+    members = [m for p in passes for g in p for m in g[1]]
+    assert members == [m for g in long for m in g[1]]  # every completion once, in order
+    assert [g[0] for p in passes for g in p] == ["a", "t", "t", "b"]  # only the too-large group split

@@ -76,3 +76,66 @@ def test_a_killed_or_empty_sft_run_is_ignored_and_iterations_resume_correctly(sc
     rt.config.sft.select = "SELECT nope FROM nowhere"
     with pytest.raises(ValueError, match=r"sft\.select"):
         run_stage(rt, "sft", 0, sft)
+
+
+def test_bare_prompt_drops_the_worked_examples_and_keeps_system_and_question():
+    from evertrain.tasks.sft import bare_chat
+
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 1 + 2?"},
+            {"role": "assistant", "content": "#### 3"}, {"role": "user", "content": "Q"}]
+    assert bare_chat(chat) == [chat[0], chat[-1]]
+    assert bare_chat(chat[1:]) == [chat[-1]]
+    with pytest.raises(ValueError, match="no stored chat"):
+        bare_chat([])
+
+
+def test_bare_sft_trains_the_completion_after_the_prompt_without_examples(scored, monkeypatch):
+    """Context distillation: the selected completions are trained after the chat without its worked examples."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from evertrain.models.policy import encode_chat
+    from evertrain.tasks import sft as sft_module
+
+    rt = scored
+    # give the stored chats worked examples (digits has none), as a few-shot environment stores them
+    # (and sampled from them)
+    tokenizer = AutoTokenizer.from_pretrained(rt.base_model)
+    shots = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "12"}]
+    with rt.store.transaction() as con:
+        stored = con.execute("SELECT problem_id, messages FROM problems WHERE iteration = 0").fetchall()
+        for problem_id, messages in stored:
+            chat = json.loads(messages)
+            chat = [chat[0], *shots, *chat[1:]]
+            con.execute("UPDATE problems SET messages = ? WHERE problem_id = ? AND iteration = 0",
+                        [json.dumps(chat), problem_id])
+            con.execute("UPDATE rollouts SET prompt_ids = ? WHERE problem_id = ? AND iteration = 0",
+                        [encode_chat(tokenizer, chat), problem_id])
+    rt.config.sft.prompt = "bare"
+    trained: list[list[int]] = []
+    real = sft_module.prompt_ids_for
+    monkeypatch.setattr(sft_module, "prompt_ids_for", lambda *a: trained.append(real(*a)) or trained[-1])
+    metrics = run_stage(rt, "sft", 0, sft)
+    assert metrics["selected"] > 0 and metrics["prompts_rewritten"] == metrics["selected"] == len(trained)
+    rows = rt.store.query("""SELECT p.messages, r.prompt_ids FROM sft_examples s
+                             JOIN rollouts r ON r.problem_id = s.problem_id AND r.sample = s.sample AND r.iteration = 0
+                             JOIN problems p ON p.problem_id = s.problem_id AND p.iteration = 0""")
+    sampled = [list(ids) for ids in rows.prompt_ids]
+    bare = [encode_chat(tokenizer, sft_module.bare_chat(json.loads(m))) for m in rows.messages]
+    with_shots = [encode_chat(tokenizer, json.loads(m)) for m in rows.messages]
+    assert sampled == with_shots
+    assert all(prompt in bare and prompt not in with_shots for prompt in trained)
+    assert all(len(b) < len(w) for b, w in zip(bare, with_shots, strict=True))
+
+
+def test_first_iterations_makes_sft_a_warm_start(scored):
+    rt = scored
+    rt.config.sft.first_iterations = 1
+    assert rt.config.sft.runs_in(0) and not rt.config.sft.runs_in(1)
+    run_stage(rt, "sft", 0, sft)
+    assert checkpoint_for(rt, 0) is not None
+    rt.config.sft.first_iterations = 0  # 0: every iteration
+    assert rt.config.sft.runs_in(7)
+    rt.config.sft.enabled = False
+    assert not rt.config.sft.runs_in(0) and checkpoint_for(rt, 0) is None

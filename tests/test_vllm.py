@@ -95,14 +95,21 @@ def _agreement(model, groups, prompts, temperature: float, top_p: float = 1.0) -
 def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_model, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from evertrain.models.sampler import VLLMSampler, open_sampler
+    from evertrain.models.sampler import VLLMSampler, engines_cpu_seconds, open_sampler
 
     config = _config(vllm_model)
     base = write_base_checkpoint(tmp_path / "base", str(vllm_model))
     sampler, _ = open_sampler(config, base)
     assert isinstance(sampler, VLLMSampler)
     prompts = _prompts()
+    from evertrain.tasks.base import cpu_seconds
+
+    own, engine_cpu, counted = os.times(), engines_cpu_seconds(), cpu_seconds()
     groups, stats = sampler.sample(prompts, 4, max_new_tokens=12, temperature=0.9)
+    # a stage's cost counts the engine's CPU (its processes sample while this one waits)
+    used = engines_cpu_seconds() - engine_cpu
+    mine = sum(os.times()[:2]) - sum(own[:2])
+    assert used > 0 and cpu_seconds() - counted >= used + mine - 0.05
     assert [len(g) for g in groups] == [4, 4, 4]
     assert all(len(s.logprobs) == len(s.completion_ids) > 0 for g in groups for s in g)
     model, _ = load_policy(base)

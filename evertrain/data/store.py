@@ -130,6 +130,7 @@ CREATE TABLE IF NOT EXISTS mix (    -- the adaptive environment mix: each enviro
 
 CREATE TABLE IF NOT EXISTS sft_examples (    -- the rollouts the optional sft stage trained on (sft.select)
     campaign VARCHAR, iteration INTEGER, source_iteration INTEGER, problem_id VARCHAR, sample INTEGER, env VARCHAR,
+    pair INTEGER, role VARCHAR,  -- sft.method = 'dpo': the pair's number and 'chosen' or 'rejected' (sft: NULL)
     PRIMARY KEY (campaign, iteration, source_iteration, problem_id, sample)
 );
 
