@@ -1,30 +1,34 @@
-"""evertrain's campaign against TRL's GRPOTrainer: held-out points gained per CPU-hour, same setup.
+"""evertrain's campaign against TRL's GRPOTrainer: sealed held-out points gained per CPU-hour, all in, 3 seeds.
 
 Both systems post-train the same base model (SmolLM2-135M-Instruct) with a LoRA adapter (r=16, alpha=32,
-all linear layers) on the same environment (evertrain's ``arithmetic``: the same chat prompt with its
-worked examples, the same strict ``#### <answer>`` reward), with the same G (8), temperature (0.8) and
-completion limit (24 tokens), until the same CPU-time budget of training work is spent (or a cap on
-sampled completions is reached, whichever comes first):
+all linear layers) on the same environment (evertrain's ``arithmetic`` as the demo configures it: varied
+phrasings, 0-2 worked examples, the strict ``#### <answer>`` reward), with the same G (8), temperature (0.8),
+completion limit (24 tokens) and learning rate (``--learning-rate``, default 2e-4 for both):
 
-- evertrain: the real campaign flow (``campaign_flow``), one iteration at a time, on configs/default.toml
-  reduced to the arithmetic environment. Training CPU is the ``stage_runs.cpu_s`` of curate, rollout,
-  score and update; its own evaluate and promote stages (the promotion gate) are reported apart.
-- TRL: ``GRPOTrainer`` on its own (DESIGN.md's reference settings: 32 completions a step, beta 0), with a
-  reward function that calls the same verifier. Both systems train at the same learning rate
-  (``--learning-rate``, default 1e-4, DESIGN.md's TRL reference). Training CPU is the process CPU time
-  from the first step to the last, less the adapter snapshots this benchmark takes for the curve.
+- evertrain: the real campaign flow (``campaign_flow``) on configs/default.toml reduced to the arithmetic
+  environment, for ``--iterations`` iterations (default 6, the demo's): its warm start (context distillation
+  in the sft stage), GRPO updates and its promotion gate. Its CPU is counted **all in**: every stage of every
+  iteration (curate, rollout, score, sft, update, evaluate, promote) plus the flow's orchestration. The
+  campaign's own sealed measurement is off: this script measures both systems' sealed splits itself.
+- TRL: ``GRPOTrainer`` on its own (32 completions a step, beta 0), on the environment's train problems in the
+  same chat messages, with a reward function that calls the same verifier, until it has spent the CPU that
+  evertrain spent for the same seed (the budget is matched seed by seed; ``--iterations 0`` gives both a
+  fixed ``--cpu-minutes`` instead). Its CPU is the process CPU from the first step to the last, less the
+  adapter snapshots this benchmark takes.
 
-Each system trains in its own subprocess (a crash in one keeps the other's results; CPU time is the
-process's own). Afterwards every checkpoint is evaluated by this script with the same code: the model
-loaded from its checkpoint (the base model, or base + LoRA adapter merged), greedy decoding, the same
-problems of the environment's sealed test split (never seen by evertrain's curation or gate), pass@1 with
-a 95% bootstrap CI; the final checkpoints also on the sealed transfer split (phrasings and operators never
-trained on, no worked examples). Those evaluations are outside the training budget and are timed
-separately. One seed per invocation (``--seed``): several seeds are several runs (still to be automated).
+One-time set-up (loading the model, starting Prefect and MLflow) is outside both. Each system trains in its
+own subprocess (a crash in one keeps the other's results). Afterwards the script evaluates, with the same
+code for both, what each system delivers (evertrain: its champion, with the last challenger shown beside
+it; TRL: its final adapter) on the environment's sealed test split and sealed transfer split (phrasings and
+the operator ``*`` never trained on, no worked examples): greedy pass@1 on the same problems for every seed,
+never seen by evertrain's curation or gate nor in TRL's training set. Per seed: the gain over the base model
+with a 95% bootstrap interval over problems; per system: the mean gain over seeds with an interval from a
+bootstrap over seeds and problems, and held-out points per CPU-hour (100 x mean gain / mean CPU-hours all
+in). The bar: evertrain's points per CPU-hour at least 2x TRL's.
 
-    .venv/bin/python benchmarks/vs_trl.py [--cpu-minutes 15] [--eval-problems 200] [--systems evertrain,trl]
-    .venv/bin/python benchmarks/vs_trl.py --quick              # 1 CPU-minute per system, 40 eval problems
-    .venv/bin/python benchmarks/vs_trl.py --quick --model tiny  # plumbing only: a tiny model, seconds
+    .venv/bin/python benchmarks/vs_trl.py                       # seeds 0,1,2; about 100 CPU-minutes here
+    .venv/bin/python benchmarks/vs_trl.py --seeds 0 --curve     # one seed, every checkpoint evaluated
+    .venv/bin/python benchmarks/vs_trl.py --quick --model tiny  # plumbing only: a tiny model, minutes
 
 Writes benchmarks/results/vs_trl.json and benchmarks/results/vs_trl.png.
 """
@@ -46,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SYSTEMS = ("evertrain", "trl")
-TRAINING_STAGES = ("curate", "rollout", "score", "update")
+TRAINING_STAGES = ("curate", "rollout", "score", "sft", "update")
 EVAL_STAGES = ("evaluate", "promote")
 RESULTS_NAME = "vs_trl"
 BOOTSTRAP_SAMPLES = 2000
@@ -104,12 +108,14 @@ def campaign_config(args: argparse.Namespace, scratch: Path) -> Any:
     data["seed"] = args.seed
     data["update"]["learning_rate"] = args.learning_rate  # like with like: TRL trains at the same rate
     arithmetic = next(spec for spec in data["environments"] if spec["name"] == "arithmetic")
-    data["environments"] = [{**arithmetic, "weight": 1.0, "eval_problems": None}]
-    data["eval"]["problems_per_env"] = args.eval_problems
+    # the sealed splits are measured by this script, for both systems alike, outside the budget: the
+    # campaign's own sealed measurement (base and each new champion) would only repeat it
+    data["environments"] = [{**arithmetic, "weight": 1.0, "sealed_problems": 0}]
+    data["eval"]["sealed_problems"] = 0
     if args.model == "tiny":
         data["model"].update(path="embedded:tiny", rollout_dtype="float32", models_dir=str(scratch / "models"))
-    else:
-        data["model"]["models_dir"] = str(ROOT / "models")  # the converted SmolLM2-135M-Instruct
+    else:  # the converted SmolLM2-135M-Instruct, where `make demo` keeps it (state/ is ignored by git)
+        data["model"]["models_dir"] = str(ROOT / "state" / "models")
     data["paths"] = {"store": str(scratch / "evertrain" / "store.duckdb"),
                      "mlflow_uri": f"sqlite:///{scratch / 'evertrain' / 'mlflow.db'}",
                      "artifacts": str(scratch / "evertrain" / "artifacts"),
@@ -166,32 +172,43 @@ def train_evertrain(args: argparse.Namespace, scratch: Path, out: Path) -> None:
         "iterations": [], "checkpoints": [],
         "base_checkpoint": str(rt.checkpoint(1)),
     }
-    spent = completions = 0.0
+    spent = train_spent = completions = 0.0
     wall0 = time.perf_counter()
     while True:
         c0, w0 = tree_cpu_seconds(), time.perf_counter()
         [iteration] = campaign_flow(config, 1)
         flow_cpu, flow_wall = tree_cpu_seconds() - c0, time.perf_counter() - w0
         row = iteration_record(rt, iteration)
+        if row["champion_version_after"] is None:
+            its = result["iterations"]
+            row["champion_version_after"] = its[-1]["champion_version_after"] if its else 1  # 1: the base model
         row["flow_cpu_s"], row["flow_wall_s"] = flow_cpu, flow_wall
         row["orchestration_cpu_s"] = flow_cpu - sum(row["stage_cpu_s"].values())
-        spent += row["train_cpu_s"]
+        # all in: training stages (sft included), the gate (evaluate, promote) and the flow's orchestration
+        row["all_in_cpu_s"] = row["train_cpu_s"] + row["eval_cpu_s"] + max(row["orchestration_cpu_s"], 0.0)
+        spent += row["all_in_cpu_s"]
+        train_spent += row["train_cpu_s"]
         completions += row["completions"]
-        row["cum_train_cpu_s"], row["cum_completions"] = spent, completions
+        row["cum_all_in_cpu_s"], row["cum_train_cpu_s"], row["cum_completions"] = spent, train_spent, completions
         result["iterations"].append(row)
         result["checkpoints"].append({"label": f"iteration {iteration}", "iteration": iteration,
                                       "version": row["challenger_version"], "path": row["challenger_path"],
-                                      "train_cpu_s": spent, "completions": completions})
-        log(f"evertrain iteration {iteration}: train {row['train_cpu_s']:.0f} CPU-s (total {spent / 60:.1f} of "
-            f"{budget / 60:.1f} CPU-min), eval+promote {row['eval_cpu_s']:.0f} CPU-s, orchestration "
-            f"{row['orchestration_cpu_s']:.0f} CPU-s, {row['completions']} completions, "
-            f"{row['skipped_zero_variance_groups']}/{row['groups']} groups without signal, "
-            f"in-loop pass@1 {row['pass1_challenger_in_loop']:.3f}, promoted={row['promoted']}")
+                                      "train_cpu_s": train_spent, "all_in_cpu_s": spent, "completions": completions})
+        log(f"evertrain iteration {iteration}: train {row['train_cpu_s']:.0f} CPU-s, eval+promote "
+            f"{row['eval_cpu_s']:.0f} CPU-s, orchestration {row['orchestration_cpu_s']:.0f} CPU-s (all in "
+            f"{spent / 60:.1f} CPU-min{'' if args.iterations else f' of {budget / 60:.1f}'}), "
+            f"{row['completions']} completions, {row['skipped_zero_variance_groups']}/{row['groups']} groups "
+            f"without signal, in-loop pass@1 {row['pass1_challenger_in_loop']:.3f}, promoted={row['promoted']}")
         out.write_text(json.dumps(result, indent=2, default=str))
-        if spent + 0.5 * row["train_cpu_s"] >= budget or (args.max_completions and completions >= args.max_completions):
+        if args.iterations:
+            if len(result["iterations"]) >= args.iterations:
+                break
+        elif spent + 0.5 * row["all_in_cpu_s"] >= budget or (
+                args.max_completions and completions >= args.max_completions):
             break
     champion = result["iterations"][-1]["champion_version_after"]
-    result.update(status="ok", train_cpu_s=spent, completions=completions, wall_s=time.perf_counter() - wall0,
+    result.update(status="ok", train_cpu_s=train_spent, all_in_cpu_s=spent, completions=completions,
+                  wall_s=time.perf_counter() - wall0,
                   final_checkpoint=result["checkpoints"][-1]["path"], champion_version=champion,
                   champion_checkpoint=str(rt.checkpoint(champion)))
     out.write_text(json.dumps(result, indent=2, default=str))
@@ -204,11 +221,15 @@ def iteration_record(rt: Any, iteration: int) -> dict[str, Any]:
     cpu = {row.stage: float(row.cpu_s) for row in stages.itertuples(index=False)}
     wall = {row.stage: float(row.wall_s) for row in stages.itertuples(index=False)}
     metrics = {row.stage: json.loads(row.metrics) for row in stages.itertuples(index=False)}
-    version = int(metrics["update"]["challenger_version"])
+    # an update without an informative group registers no challenger: the trainee stays what it was
+    version = int(metrics["update"].get("challenger_version") or metrics["update"]["start_version"])
     evals = rt.store.query("SELECT avg(reward) AS pass1 FROM evals WHERE campaign = ? AND iteration = ? AND "
                            "model_version = ? AND sample = 0", [rt.campaign, iteration, version])
-    decision = rt.store.query("SELECT promoted, champion_version, reason FROM promotions WHERE campaign = ? AND "
-                              "iteration = ?", [rt.campaign, iteration]).iloc[0]
+    decisions = rt.store.query("SELECT promoted, champion_version, reason FROM promotions WHERE campaign = ? AND "
+                               "iteration = ?", [rt.campaign, iteration])
+    # no gate this iteration (eval.every): no decision row, the champion stays (the caller fills it in)
+    decision = decisions.iloc[0] if len(decisions) else {"promoted": False, "champion_version": None,
+                                                         "reason": "not gated this iteration (eval.every)"}
     rewards = rt.store.query(
         """SELECT avg(reward) AS reward, avg(completion_tokens) AS tokens,
                   count(DISTINCT problem_id) AS problems FROM rollouts WHERE campaign = ? AND iteration = ?""",
@@ -228,8 +249,9 @@ def iteration_record(rt: Any, iteration: int) -> dict[str, Any]:
         "rollout_model_s": float(metrics["rollout"].get("model_s", 0.0)),
         "update_model_s": float(update.get("model_s", 0.0)),
         "challenger_version": version, "challenger_path": str(rt.checkpoint(version)),
-        "pass1_challenger_in_loop": float(evals["pass1"].iloc[0]),
-        "promoted": promoted, "champion_version_after": version if promoted else int(decision["champion_version"]),
+        "pass1_challenger_in_loop": float("nan") if evals["pass1"].isna().all() else float(evals["pass1"].iloc[0]),
+        "promoted": promoted, "champion_version_after": version if promoted else (
+            None if decision["champion_version"] is None else int(decision["champion_version"])),
         "promotion_reason": str(decision["reason"]),
     }
 
@@ -285,7 +307,7 @@ def train_trl(args: argparse.Namespace, scratch: Path, out: Path, base_model: st
         (dest / MANIFEST).write_text(json.dumps({"kind": "lora", "base_model": base_model, "step": step}))
         acc["snapshot_cpu_s"] += cpu_seconds() - began
         result["checkpoints"].append({"label": f"step {step}", "step": step, "path": str(dest), "train_cpu_s": spent,
-                                      "completions": step * TRL_COMPLETIONS_PER_STEP})
+                                      "all_in_cpu_s": spent, "completions": step * TRL_COMPLETIONS_PER_STEP})
         out.write_text(json.dumps(result, indent=2, default=str))
 
     class Budget(TrainerCallback):
@@ -385,11 +407,17 @@ class Evaluator:
             raise RuntimeError(f"arithmetic has no sealed {split!r} split with these options")
         self.cache: dict[str, dict[str, Any]] = {}
 
-    def __call__(self, checkpoint: str) -> dict[str, Any]:
+    @staticmethod
+    def key(checkpoint: str) -> str:
+        """What identifies a checkpoint's answers: the base model's path, or the checkpoint's own."""
         from evertrain.models.policy import read_manifest
 
         manifest = read_manifest(checkpoint)
-        key = f"base:{manifest['base_model']}" if manifest["kind"] == "base" else str(Path(checkpoint).resolve())
+        return f"base:{manifest['base_model']}" if manifest["kind"] == "base" else str(Path(checkpoint).resolve())
+
+    def __call__(self, checkpoint: str) -> dict[str, Any]:
+
+        key = self.key(checkpoint)
         if key in self.cache:
             return self.cache[key]
         import numpy as np
@@ -429,47 +457,55 @@ def as_array(record: dict[str, Any]) -> Any:
     return np.array([int(c) for c in record["passed"]], dtype=float)
 
 
-def summarize(name: str, before: dict[str, Any], after: dict[str, Any], train_cpu_s: float, completions: float,
-              eval_cpu_s: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(before: dict[str, Any], after: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    """One checkpoint against the base model on the same problems: gain, its interval, points per CPU-hour."""
     diff = as_array(after) - as_array(before)
     gain = float(diff.mean())
     low, high = bootstrap_ci(diff)
-    hours = train_cpu_s / 3600
-    return {
-        "system": name, "pass1_before": before["pass1"], "pass1_before_ci": before["ci"],
-        "pass1_after": after["pass1"], "pass1_after_ci": after["ci"], "gain": gain, "gain_ci": [low, high],
-        "train_cpu_min": train_cpu_s / 60, "completions": int(completions),
-        "completions_per_cpu_s": completions / train_cpu_s if train_cpu_s else 0.0,
-        "points_per_cpu_hour": 100 * gain / hours if hours else 0.0,
-        "points_per_cpu_hour_ci": [100 * low / hours, 100 * high / hours] if hours else [0.0, 0.0],
-        "eval_cpu_min": eval_cpu_s / 60, **(extra or {}),
-    }
+    hours = cpu_s / 3600
+    return {"pass1_before": before["pass1"], "pass1_after": after["pass1"], "pass1_after_ci": after["ci"],
+            "gain": gain, "gain_ci": [low, high], "cpu_min": cpu_s / 60,
+            "points_per_cpu_hour": 100 * gain / hours if hours else 0.0}
+
+
+def seeds_bootstrap(diffs: list[Any], samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> Any:
+    """Bootstrap draws of the mean gain over seeds: resample the seeds, then the problems within each seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    draws = np.empty(samples)
+    for i in range(samples):
+        chosen = rng.integers(0, len(diffs), size=len(diffs))
+        draws[i] = np.mean([diffs[k][rng.integers(0, len(diffs[k]), size=len(diffs[k]))].mean() for k in chosen])
+    return draws
 
 
 def curve(evaluate: Evaluator, base: dict[str, Any], checkpoints: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    points = [{"label": "base", "train_cpu_min": 0.0, "completions": 0, "pass1": base["pass1"], "ci": base["ci"]}]
+    points = [{"label": "base", "cpu_min": 0.0, "completions": 0, "pass1": base["pass1"], "ci": base["ci"]}]
     for c in checkpoints:
         r = evaluate(c["path"])
-        points.append({"label": c["label"], "train_cpu_min": c["train_cpu_s"] / 60, "completions": c["completions"],
+        points.append({"label": c["label"], "cpu_min": c["all_in_cpu_s"] / 60, "completions": c["completions"],
                        "pass1": r["pass1"], "ci": r["ci"], "eval_cpu_s": r["eval_cpu_s"]})
     return points
 
 
 # --- the parent: run both, evaluate, report -----------------------------------------------------------
 
-def run_worker(system: str, args: argparse.Namespace, scratch: Path, base_model: str) -> dict[str, Any]:
+def run_worker(system: str, args: argparse.Namespace, scratch: Path, base_model: str, seed: int,
+               cpu_minutes: float) -> dict[str, Any]:
     out = scratch / f"{system}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--scratch", str(scratch),
-               "--cpu-minutes", str(args.cpu_minutes), "--eval-problems", str(args.eval_problems),
+               "--cpu-minutes", str(cpu_minutes), "--eval-problems", str(args.eval_problems),
                "--max-completions", str(args.max_completions), "--model", args.model,
                "--trl-save-every", str(args.trl_save_every), "--base-model", base_model,
-               "--learning-rate", str(args.learning_rate), "--seed", str(args.seed)]
+               "--learning-rate", str(args.learning_rate), "--seed", str(seed),
+               "--iterations", str(args.iterations if system == "evertrain" else 0)]
     if args.trl_gradient_checkpointing:
         command.append("--trl-gradient-checkpointing")
     env = {**os.environ, "EVERTRAIN_PROGRESS": "0"}
     if "PREFECT_API_URL" not in env:  # an ephemeral Prefect of our own: nothing written to the user's Prefect DB
         env["PREFECT_HOME"] = str(scratch / "prefect")
-    log(f"training {system}: {' '.join(command[1:])}")
+    log(f"training {system}, seed {seed}: {' '.join(command[1:])}")
     began = time.perf_counter()
     proc = subprocess.run(command, env=env, cwd=str(ROOT), stdout=sys.stderr)  # stdout is the table's
     result = json.loads(out.read_text()) if out.exists() else {"system": system, "checkpoints": []}
@@ -481,27 +517,25 @@ def run_worker(system: str, args: argparse.Namespace, scratch: Path, base_model:
     return result
 
 
-def plot(path: Path, curves: dict[str, list[dict[str, Any]]], budget_min: float, eval_problems: int) -> None:
+def plot(path: Path, runs: list[dict[str, Any]], base: dict[str, Any], eval_problems: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    styles = {"evertrain": ("tab:blue", "o"), "trl": ("tab:orange", "s")}
-    for name, points in curves.items():
-        if len(points) < 2:
-            continue
-        color, marker = styles.get(name, ("tab:gray", "x"))
-        x = [p["train_cpu_min"] for p in points]
-        y = [p["pass1"] for p in points]
-        err = [[p["pass1"] - p["ci"][0] for p in points], [p["ci"][1] - p["pass1"] for p in points]]
-        label = "evertrain (campaign flow)" if name == "evertrain" else "TRL GRPOTrainer"
-        ax.errorbar(x, y, yerr=err, color=color, marker=marker, capsize=3, linewidth=1.5, markersize=4, label=label)
-    ax.axvline(budget_min, color="gray", linestyle=":", linewidth=1, label=f"budget ({budget_min:g} CPU-min)")
-    ax.set_xlabel("training CPU-minutes (generation + scoring + updates)")
-    ax.set_ylabel(f"held-out pass@1 (greedy, {eval_problems} problems, 95% CI)")
-    ax.set_title("SmolLM2-135M-Instruct on arithmetic: evertrain vs TRL, same budget")
+    styles = {"evertrain": ("tab:blue", "o", "evertrain (champion)"), "trl": ("tab:orange", "s", "TRL GRPOTrainer")}
+    for system, (color, marker, label) in styles.items():
+        mine = [r for r in runs if r["system"] == system]
+        for i, run in enumerate(mine):
+            points = run.get("curve") or [{"cpu_min": 0.0, "pass1": base["pass1"]},
+                                          {"cpu_min": run["cpu_min"], "pass1": run["pass1_after"]}]
+            ax.plot([q["cpu_min"] for q in points], [q["pass1"] for q in points], color=color, marker=marker,
+                    linewidth=1.2, markersize=4, alpha=0.8, label=label if i == 0 else None)
+    ax.axhline(base["pass1"], color="gray", linestyle=":", linewidth=1, label="base model")
+    ax.set_xlabel("CPU-minutes, all in (evertrain: curation, sampling, grading, sft, update, gate)")
+    ax.set_ylabel(f"sealed test pass@1 (greedy, {eval_problems} problems)")
+    ax.set_title("SmolLM2-135M-Instruct on arithmetic: evertrain vs TRL, one line per seed")
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
@@ -517,45 +551,130 @@ def fmt_gain(value: float, ci: list[float]) -> str:
     return f"{value:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
-def at_cpu(points: list[dict[str, Any]], minutes: float) -> dict[str, Any]:
-    """The last curve point trained with at most ``minutes`` CPU-minutes."""
-    eligible = [p for p in points if p["train_cpu_min"] <= minutes + 1e-9]
-    return eligible[-1]
+def evaluate_seed(system: str, seed: int, result: dict[str, Any], evaluate: Evaluator, transfer: Evaluator,
+                  base: dict[str, Any], base_transfer: dict[str, Any], with_curve: bool) -> dict[str, Any]:
+    """What one system's run of one seed gained on the sealed splits, for the CPU it spent all in."""
+    if result.get("status") != "ok" or not result.get("checkpoints"):
+        raise RuntimeError(f"{system} (seed {seed}) produced no result: {result.get('error', 'no error recorded')}")
+    if system == "evertrain":  # what evertrain ships is its champion; the last challenger is shown beside it
+        output, label = result["champion_checkpoint"], f"champion v{result['champion_version']}"
+    else:
+        output, label = result["final_checkpoint"], f"step {result['update_steps']}"
+    cpu_s = float(result["all_in_cpu_s"] if system == "evertrain" else result["train_cpu_s"])
+    after = evaluate(output)
+    run = {"system": system, "seed": seed, "output": label, **summarize(base, after, cpu_s),
+           "passed": after["passed"], "train_cpu_min": float(result["train_cpu_s"]) / 60,
+           "completions": int(result["completions"]), "wall_min": float(result.get("worker_wall_s", 0.0)) / 60}
+    moved = as_array(transfer(output)) - as_array(base_transfer)
+    run["transfer_gain"], run["transfer_gain_ci"] = float(moved.mean()), list(bootstrap_ci(moved))
+    run["transfer_passed"] = transfer(output)["passed"]
+    if system == "evertrain":
+        its = result["iterations"]
+        last = summarize(base, evaluate(result["final_checkpoint"]), cpu_s)
+        run["last_challenger"] = {"version": its[-1]["challenger_version"], "gain": last["gain"],
+                                  "gain_ci": last["gain_ci"]}
+        run.update(iterations=len(its), promotions=sum(bool(i["promoted"]) for i in its),
+                   gate_cpu_min=sum(i["eval_cpu_s"] for i in its) / 60,
+                   orchestration_cpu_min=sum(max(i["orchestration_cpu_s"], 0.0) for i in its) / 60,
+                   stage_cpu_min={st: sum(i["stage_cpu_s"].get(st, 0.0) for i in its) / 60
+                                  for st in (*TRAINING_STAGES, *EVAL_STAGES)},
+                   groups=sum(i["groups"] for i in its),
+                   zero_variance_groups=sum(i["skipped_zero_variance_groups"] for i in its))
+    else:
+        run.update(update_steps=result.get("update_steps"), groups=result.get("groups"),
+                   zero_variance_groups=result.get("zero_variance_groups"),
+                   generate_cpu_min=result.get("generate_cpu_s", 0.0) / 60,
+                   update_cpu_min=result.get("update_cpu_s", 0.0) / 60)
+    if with_curve:
+        run["curve"] = curve(evaluate, base, result["checkpoints"])
+    log(f"{system} seed {seed}: {label} gain {fmt_gain(run['gain'], run['gain_ci'])} on the sealed test split, "
+        f"transfer {fmt_gain(run['transfer_gain'], run['transfer_gain_ci'])}, {run['cpu_min']:.1f} CPU-min all in")
+    return run
+
+
+def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: dict[str, Any]) -> dict[str, Any]:
+    """Per system: the mean gain over seeds with a seeds-and-problems bootstrap interval, points per CPU-hour."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    draws: dict[str, Any] = {}
+    for system in SYSTEMS:
+        mine = [r for r in runs if r["system"] == system]
+        if not mine:
+            continue
+        diffs = [as_array({"passed": r["passed"]}) - as_array(base) for r in mine]
+        moved = [as_array({"passed": r["transfer_passed"]}) - as_array(base_transfer) for r in mine]
+        gain, transfer_gain = float(np.mean([d.mean() for d in diffs])), float(np.mean([m.mean() for m in moved]))
+        boot, boot_t = seeds_bootstrap(diffs), seeds_bootstrap(moved)
+        hours = float(np.mean([r["cpu_min"] for r in mine])) / 60
+        draws[system] = 100 * boot / hours
+        out[system] = {
+            "seeds": [r["seed"] for r in mine], "gains": [r["gain"] for r in mine],
+            "gain": gain, "gain_ci": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+            "transfer_gains": [r["transfer_gain"] for r in mine], "transfer_gain": transfer_gain,
+            "transfer_gain_ci": [float(np.quantile(boot_t, 0.025)), float(np.quantile(boot_t, 0.975))],
+            "cpu_min_mean": hours * 60, "points_per_cpu_hour": 100 * gain / hours,
+            "points_per_cpu_hour_ci": [float(np.quantile(draws[system], 0.025)),
+                                       float(np.quantile(draws[system], 0.975))],
+        }
+    if {"evertrain", "trl"} <= set(out):
+        ours, theirs = out["evertrain"]["points_per_cpu_hour"], out["trl"]["points_per_cpu_hour"]
+        # P(evertrain's rate >= 2x TRL's) over independent bootstrap draws of the two systems
+        p_two = float(np.mean(draws["evertrain"] >= 2 * draws["trl"]))
+        out["bar"] = {"required": "evertrain points per CPU-hour all in >= 2x TRL's",
+                      "evertrain_points_per_cpu_hour": ours, "trl_points_per_cpu_hour": theirs,
+                      "ratio": ours / theirs if theirs > 0 else None,
+                      "p_evertrain_at_least_2x": p_two, "met": ours > 0 and ours >= 2 * theirs}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds, one run of each system per seed "
+                        "(default 0,1,2; --quick: 0)")
+    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # a worker's one seed
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="evertrain runs this many campaign iterations and TRL then gets the CPU evertrain "
+                        "spent all in, seed by seed (default 6, the demo's; 0: both stop at --cpu-minutes)")
     parser.add_argument("--cpu-minutes", type=float, default=None,
-                        help="training CPU budget per system, in CPU-minutes (default 15; --quick: 1)")
+                        help="with --iterations 0: the CPU budget of each system, all in (default 12; --quick: 1)")
     parser.add_argument("--eval-problems", type=int, default=None,
-                        help="held-out arithmetic problems (default 200; --quick: 40)")
+                        help="problems of each sealed split (default 100; --quick: 40)")
     parser.add_argument("--max-completions", type=int, default=0,
                         help="also stop a system after this many sampled completions (0: the CPU budget alone)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 CPU-minute and 40 eval problems")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: one seed, 2 evertrain iterations, 40 problems")
+    parser.add_argument("--curve", action="store_true", help="also evaluate every checkpoint (a learning curve)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of evertrain,trl")
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                         help="tiny: a few-hundred-thousand-parameter model, for checking the plumbing only")
     parser.add_argument("--eval-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="precision of the benchmark's own held-out evaluations (both systems)")
+                        help="precision of the benchmark's own sealed evaluations (both systems)")
     parser.add_argument("--trl-save-every", type=int, default=5, help="TRL adapter snapshot every N steps")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="turn TRL's activation (gradient) checkpointing on; off by default: at this model size "
                         "memory is no constraint and recomputation only costs CPU")
-    parser.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW learning rate of both systems")
-    parser.add_argument("--seed", type=int, default=0, help="campaign seed (evertrain) and trainer seed (TRL)")
+    parser.add_argument("--learning-rate", type=float, default=2e-4,
+                        help="AdamW learning rate of both systems (default 2e-4, the demo's)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs (and base evaluations) already in benchmarks/results/vs_trl.json, made "
+                        "with the same settings, and run only the missing (system, seed) pairs")
     parser.add_argument("--scratch", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.iterations is None:
+        args.iterations = 2 if args.quick else 6
     if args.cpu_minutes is None:
-        args.cpu_minutes = 1.0 if args.quick else 15.0
+        args.cpu_minutes = 1.0 if args.quick else 12.0
     if args.eval_problems is None:
-        args.eval_problems = 40 if args.quick else 200
+        args.eval_problems = 40 if args.quick else 100
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="vs-trl-")).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     if args.worker:
+        args.seed = args.seed or 0
         out = scratch / f"{args.worker}.json"
         if args.worker == "evertrain":
             train_evertrain(args, scratch, out)
@@ -564,158 +683,148 @@ def main() -> None:
         return
 
     wall0 = time.perf_counter()
+    try:
+        seeds = [int(x) for x in (args.seeds or ("0" if args.quick else "0,1,2")).split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, not {args.seeds!r}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        parser.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    if unknown or not systems or not seeds:
+        parser.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}" if unknown else "nothing to run")
+    systems = [s for s in SYSTEMS if s in systems]  # evertrain first: TRL's budget is what it spent
     from evertrain.runtime import quiet_libraries
 
     quiet_libraries()
     from benchmarks.common import print_table, save
     from evertrain.models.policy import resolve_base, write_base_checkpoint
 
+    args.seed = seeds[0]
     config = campaign_config(args, scratch)
     base_model = resolve_base(config.model)  # converted or built once, before anything is timed
     base_checkpoint = str(write_base_checkpoint(scratch / "base", base_model))
-    log(f"scratch {scratch}; base model {base_model}; budget {args.cpu_minutes:g} CPU-min per system; "
-        f"{args.eval_problems} held-out problems")
+    matched = bool(args.iterations) and "evertrain" in systems
+    log(f"scratch {scratch}; base model {base_model}; seeds {seeds}; "
+        + (f"evertrain {args.iterations} iterations, TRL the same all-in CPU" if matched
+           else f"budget {args.cpu_minutes:g} CPU-min per system") + f"; {args.eval_problems} sealed problems")
     settings = {
-        **shared_settings(config), "cpu_minutes": args.cpu_minutes, "max_completions": args.max_completions,
+        **shared_settings(config), "seeds": seeds, "iterations": args.iterations, "matched_budget": matched,
+        "cpu_minutes": None if matched else args.cpu_minutes, "max_completions": args.max_completions,
         "eval_problems": args.eval_problems, "eval_dtype": args.eval_dtype, "eval_decoding": "greedy",
+        "eval_splits": "the arithmetic environment's sealed test and transfer splits (the same problems for every "
+        "seed: never seen by evertrain's curation or gate, nor by TRL's training set)",
         "bootstrap_samples": BOOTSTRAP_SAMPLES, "bootstrap_seed": BOOTSTRAP_SEED, "model": args.model,
-        "base_model": base_model, "budget_rule": "stop once spent + half the last unit's cost >= budget "
-        "(unit: an evertrain iteration, a TRL step)",
-        "evertrain": {"config": "configs/default.toml, arithmetic only (weight 1)",
+        "base_model": base_model, "learning_rate_both": args.learning_rate,
+        "cpu_accounting": "evertrain: every stage of every iteration (curate, rollout, score, sft, update, evaluate, "
+        "promote) and the flow's orchestration, from the first iteration to the last; the campaign's own sealed "
+        "measurement is switched off (this script measures both systems). TRL: process CPU from the first step to "
+        "the last (generation, reward, update), less its adapter snapshots. One-time set-up (model load, Prefect "
+        "and MLflow start) is outside both.",
+        "evertrain": {"config": "configs/default.toml, arithmetic only (weight 1), in-loop sealed measurement off",
                       "problems_per_iteration": config.problems_per_iteration,
                       "completions_per_iteration": config.problems_per_iteration * config.group_size,
+                      "sft": config.sft.model_dump(mode="json"), "eval": config.eval.model_dump(mode="json"),
                       "update": config.update.model_dump(mode="json"), "rollout_dtype": config.model.rollout_dtype,
                       "curation": config.curation.model_dump(mode="json"),
                       "promotion": config.promotion.model_dump(mode="json")},
         "trl": {"learning_rate": args.learning_rate, "lr_scheduler_type": "constant",
                 "per_device_train_batch_size": TRL_COMPLETIONS_PER_STEP, "num_generations": config.group_size,
                 "beta": 0.0, "loss_type": "default (dapo in TRL 1.16)", "bf16": False,
-                "gradient_checkpointing": args.trl_gradient_checkpointing, "save_every_steps": args.trl_save_every},
-        "design_md_trl_reference": "TRL 1.16 GRPOTrainer, SmolLM2-135M-Instruct, a bare 'What is a + b? Reply with "
-        "only the number.' prompt, reward for the last number in the reply, 16 new tokens: 0.28 -> 0.585 held-out in "
-        "40 steps, 15.4 CPU-minutes (about 119 points per CPU-hour); a different prompt and a looser grader than here",
+                "gradient_checkpointing": args.trl_gradient_checkpointing, "save_every_steps": args.trl_save_every,
+                "prompts": "the arithmetic environment's train problems, in the same chat messages evertrain samples"},
     }
-    payload: dict[str, Any] = {"settings": settings, "scratch": str(scratch), "systems": {}}
-
+    payload: dict[str, Any] = {"settings": settings, "scratch": str(scratch), "runs": [], "failures": []}
     busy0 = machine_busy_seconds()
 
     def checkpoint_save() -> None:
         payload["wall_s"] = time.perf_counter() - wall0
-        own, busy = cpu_seconds(), machine_busy_seconds() - busy0
+        own, busy = tree_cpu_seconds(), machine_busy_seconds() - busy0
         # how much CPU the rest of the machine used meanwhile: the timings are clean only when this is small
         payload["contention"] = {"machine_busy_cpu_s": busy, "benchmark_cpu_s": own,
                                  "other_processes_cpu_s": busy - own, "loadavg_now": Path("/proc/loadavg").read_text()}
         save(RESULTS_NAME, payload)
 
-    training = {}
-    for system in systems:
-        try:
-            training[system] = run_worker(system, args, scratch, base_model)
-        except Exception as error:  # the other system's results still count
-            training[system] = {"system": system, "status": "failed", "checkpoints": [],
-                                "error": "".join(traceback.format_exception_only(error)).strip()}
-        payload["systems"][system] = {"training": training[system]}
-        checkpoint_save()
-
     evaluate = Evaluator(config, args.eval_problems, args.eval_dtype, split="test")
     transfer = Evaluator(config, args.eval_problems, args.eval_dtype, split="transfer")
-    base = evaluate(base_checkpoint)
-    base_transfer = transfer(base_checkpoint)
+    if args.resume:
+        from benchmarks.common import RESULTS
+
+        old = json.loads((RESULTS / f"{RESULTS_NAME}.json").read_text())
+        same = ("iterations", "eval_problems", "eval_dtype", "learning_rate_both", "model", "matched_budget",
+                "group_size", "max_new_tokens", "temperature")
+        differ = [k for k in same if old["settings"].get(k) != settings.get(k)]
+        if differ:
+            parser.error(f"--resume: the saved results were made with other settings ({', '.join(differ)})")
+        payload["runs"] = [r for r in old["runs"] if r["seed"] in seeds]
+        payload["resumed_from"] = {"command": old["command"], "date": old["date"],
+                                   "runs_kept": [(r["system"], r["seed"]) for r in payload["runs"]],
+                                   "failures_then": old.get("failures", [])}
+        # greedy answers of the same base model on the same problems: kept, not recomputed
+        evaluate.cache[Evaluator.key(base_checkpoint)] = old["base"]
+        transfer.cache[Evaluator.key(base_checkpoint)] = old["base_transfer"]
+    base, base_transfer = evaluate(base_checkpoint), transfer(base_checkpoint)
     payload["base"] = {k: base[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")}
     payload["base_transfer"] = {k: base_transfer[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")}
-    rows, curves = [], {}
-    for system in systems:
-        record, result = payload["systems"][system], training[system]
-        try:
-            if not result.get("checkpoints"):
-                raise RuntimeError(f"{system} produced no checkpoint: {result.get('error', 'no error recorded')}")
-            points = curve(evaluate, base, result["checkpoints"])
-            curves[system] = record["curve"] = points
-            final = evaluate(result["checkpoints"][-1]["path"])
-            train_cpu = result["checkpoints"][-1]["train_cpu_s"]
-            completions = result["checkpoints"][-1]["completions"]
-            eval_cpu = sum(p.get("eval_cpu_s", 0.0) for p in points)
-            if system == "evertrain":
-                its = result["iterations"]
-                loop_eval = sum(i["eval_cpu_s"] for i in its)
-                orchestration = sum(i["orchestration_cpu_s"] for i in its)
-                stage_totals = {s: sum(i["stage_cpu_s"].get(s, 0.0) for i in its) for s in (*TRAINING_STAGES,
-                                                                                            *EVAL_STAGES)}
-                extra = {"in_loop_eval_cpu_min": loop_eval / 60, "orchestration_cpu_min": orchestration / 60,
-                         "stage_cpu_min": {k: v / 60 for k, v in stage_totals.items()},
-                         "iterations": len(its), "update_steps": sum(i["update_steps"] for i in its),
-                         "groups": sum(i["groups"] for i in its),
-                         "zero_variance_groups": sum(i["skipped_zero_variance_groups"] for i in its),
-                         "promotions": sum(i["promoted"] for i in its)}
-                extra["points_per_cpu_hour_all_in"] = (
-                    100 * (final["pass1"] - base["pass1"]) / ((train_cpu + loop_eval + orchestration) / 3600))
-                summary = summarize("evertrain (last challenger)", base, final, train_cpu, completions, eval_cpu, extra)
-                rows.append(summary)
-                champion_checkpoint = result.get("champion_checkpoint")
-                if champion_checkpoint:
-                    champ = evaluate(champion_checkpoint)
-                    champ_row = summarize(f"evertrain (champion v{result['champion_version']})", base, champ,
-                                          train_cpu, completions, 0.0)
-                    rows.append(champ_row)
-                    record["champion"] = champ_row
-            else:
-                extra = {"setup_cpu_min": result.get("setup_cpu_s", 0.0) / 60,
-                         "generate_cpu_min": result.get("generate_cpu_s", 0.0) / 60,
-                         "update_cpu_min": result.get("update_cpu_s", 0.0) / 60,
-                         "update_steps": result.get("update_steps"), "groups": result.get("groups"),
-                         "zero_variance_groups": result.get("zero_variance_groups")}
-                extra["points_per_cpu_hour_all_in"] = 100 * (final["pass1"] - base["pass1"]) / (train_cpu / 3600)
-                summary = summarize("trl GRPOTrainer", base, final, train_cpu, completions, eval_cpu, extra)
-                rows.append(summary)
-            moved = as_array(transfer(result["checkpoints"][-1]["path"])) - as_array(base_transfer)
-            summary["transfer_gain"], summary["transfer_gain_ci"] = float(moved.mean()), list(bootstrap_ci(moved))
-            record["summary"] = summary
-            record["evaluations"] = {c["path"]: {k: v for k, v in evaluate(c["path"]).items()}
-                                     for c in result["checkpoints"]}
-        except Exception as error:
-            record["evaluation_error"] = "".join(traceback.format_exception_only(error)).strip()
-            log(f"{system}: evaluation failed: {record['evaluation_error']}")
-        checkpoint_save()
+    for seed in seeds:
+        seed_dir = scratch / f"seed-{seed}"
+        seed_dir.mkdir(exist_ok=True)
+        budget = args.cpu_minutes
+        for system in systems:
+            kept = [r for r in payload["runs"] if (r["system"], r["seed"]) == (system, seed)]
+            if kept:
+                if system == "evertrain" and matched:
+                    budget = kept[0]["cpu_min"]
+                log(f"{system} seed {seed}: kept from the saved results")
+                continue
+            try:
+                result = run_worker(system, args, seed_dir, base_model, seed, budget)
+                run = evaluate_seed(system, seed, result, evaluate, transfer, base, base_transfer, args.curve)
+                payload["runs"].append(run)
+                if system == "evertrain" and matched:
+                    budget = run["cpu_min"]  # TRL gets what evertrain spent, all in
+            except Exception as error:  # the other runs' results still count
+                message = "".join(traceback.format_exception_only(error)).strip()
+                payload["failures"].append({"system": system, "seed": seed, "error": message})
+                log(f"{system} seed {seed} failed: {message}")
+                if system == "evertrain" and matched:
+                    break  # no budget to match
+            checkpoint_save()
+    payload["summary"] = aggregate(payload["runs"], base, base_transfer)
+    checkpoint_save()
 
-    if {"evertrain", "trl"} <= set(curves):
-        matched = min(curves["evertrain"][-1]["train_cpu_min"], curves["trl"][-1]["train_cpu_min"])
-        payload["matched_cpu"] = {"train_cpu_min": matched,
-                                  **{s: at_cpu(curves[s], matched) for s in ("evertrain", "trl")}}
-        ours = payload["systems"]["evertrain"].get("summary", {}).get("points_per_cpu_hour")
-        theirs = payload["systems"]["trl"].get("summary", {}).get("points_per_cpu_hour")
-        if ours is not None and theirs is not None:
-            payload["bar"] = {"evertrain_points_per_cpu_hour": ours, "trl_points_per_cpu_hour": theirs,
-                              "met": ours >= theirs}
-
+    rows = [{"system": r["system"], "seed": r["seed"], "output": r["output"], "CPU-min all in": r["cpu_min"],
+             "sealed test pass@1": f"{r['pass1_before']:.3f} -> {r['pass1_after']:.3f}",
+             "gain [95% CI]": fmt_gain(r["gain"], r["gain_ci"]),
+             "transfer gain [95% CI]": fmt_gain(r["transfer_gain"], r["transfer_gain_ci"]),
+             "points/CPU-hour": r["points_per_cpu_hour"]} for r in payload["runs"]]
+    for system, agg in payload["summary"].items():
+        if system == "bar":
+            continue
+        rows.append({"system": system, "seed": "mean", "output": f"{len(agg['seeds'])} seeds",
+                     "CPU-min all in": agg["cpu_min_mean"], "sealed test pass@1": "",
+                     "gain [95% CI]": fmt_gain(agg["gain"], agg["gain_ci"]),
+                     "transfer gain [95% CI]": fmt_gain(agg["transfer_gain"], agg["transfer_gain_ci"]),
+                     "points/CPU-hour": agg["points_per_cpu_hour"]})
     if rows:
-        table = [{"system": r["system"], "pass@1 before [95% CI]": fmt_ci(r["pass1_before"], r["pass1_before_ci"]),
-                  "pass@1 after [95% CI]": fmt_ci(r["pass1_after"], r["pass1_after_ci"]),
-                  "gain [95% CI]": fmt_gain(r["gain"], r["gain_ci"]), "train CPU-min": r["train_cpu_min"],
-                  "completions": r["completions"], "completions/CPU-s": r["completions_per_cpu_s"],
-                  "points/CPU-hour": r["points_per_cpu_hour"], "eval CPU-min": r["eval_cpu_min"]} for r in rows]
-        payload["table"] = rows
-        print_table(table, list(table[0]))
-    if "matched_cpu" in payload:
-        m = payload["matched_cpu"]
-        print(f"\nat matched training CPU ({m['train_cpu_min']:.1f} CPU-min): evertrain {m['evertrain']['pass1']:.3f} "
-              f"({m['evertrain']['label']}), TRL {m['trl']['pass1']:.3f} ({m['trl']['label']})")
-    if "bar" in payload:
-        b = payload["bar"]
-        print(f"bar (evertrain points/CPU-hour >= TRL's): {b['evertrain_points_per_cpu_hour']:.1f} vs "
-              f"{b['trl_points_per_cpu_hour']:.1f}: {'met' if b['met'] else 'NOT met'}")
-    if curves:
+        print_table(rows, list(rows[0]))
+    if "bar" in payload["summary"]:
+        b = payload["summary"]["bar"]
+        ratio = "n/a (TRL gained nothing)" if b["ratio"] is None else f"{b['ratio']:.2f}x"
+        print(f"bar (evertrain points/CPU-hour all in >= 2x TRL's): {b['evertrain_points_per_cpu_hour']:.1f} vs "
+              f"{b['trl_points_per_cpu_hour']:.1f} ({ratio}, P(>= 2x) = {b['p_evertrain_at_least_2x']:.2f}): "
+              f"{'met' if b['met'] else 'NOT met'}")
+    for failure in payload["failures"]:
+        print(f"FAILED: {failure['system']} seed {failure['seed']}: {failure['error']}")
+    if payload["runs"]:
         from benchmarks.common import RESULTS
 
         RESULTS.mkdir(parents=True, exist_ok=True)
         png = RESULTS / f"{RESULTS_NAME}.png"
-        plot(png, curves, args.cpu_minutes, args.eval_problems)
+        plot(png, payload["runs"], base, args.eval_problems)
         payload["plot"] = str(png.relative_to(ROOT))
     checkpoint_save()
     log(f"saved benchmarks/results/{RESULTS_NAME}.json ({payload['wall_s'] / 60:.1f} min of wall time)")
+    if payload["failures"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

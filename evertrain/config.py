@@ -180,7 +180,8 @@ class UpdateConfig(_Strict):
 
     algorithm: Literal["grpo", "dapo", "dr_grpo"] = Field(
         "grpo", description="grpo: sequence-mean loss, std-normalized advantages; dapo: token-level loss, "
-        "asymmetric clipping; dr_grpo: no std normalization, loss normalized by a constant length."
+        "asymmetric clipping (clip-higher), overlong completions masked, dynamic sampling (dynamic_sampling_draws); "
+        "dr_grpo: no std normalization, loss normalized by a constant length."
     )
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters (default) or all weights.")
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -204,6 +205,12 @@ class UpdateConfig(_Strict):
         "gives them reward -1 in their group, 'keep' trains on them as scored (default: mask for dapo, else keep).")
     max_grad_norm: float = Field(1.0, gt=0)
     skip_zero_variance: bool = Field(True, description="Do not train on groups whose rewards all agree.")
+    dynamic_sampling_draws: int | None = Field(
+        None, ge=0, le=32, description="DAPO's dynamic sampling, bounded: when the score stage finds groups whose "
+        "rewards all agree, it draws fresh training problems (curation's rules apply), samples and grades a group "
+        "for each, and repeats until the batch holds as many informative groups as problems were curated, or "
+        "after this many extra draw rounds. Every drawn group is stored (rollouts.refill_round >= 1), informative "
+        "or not. 0: off (default: 2 for dapo, else 0).")
     max_staleness: int = Field(
         0, ge=0, le=16, description="Largest policy-version lag of a rollout that may be trained on.")
     replay: bool = Field(
@@ -249,6 +256,13 @@ class UpdateConfig(_Strict):
         if self.clip_high is not None:
             return self.clip_high
         return 0.28 if self.algorithm == "dapo" else self.clip_low
+
+    @property
+    def refill_draws(self) -> int:
+        """Extra draw rounds of dynamic sampling: set, else 2 for DAPO, else 0 (off)."""
+        if self.dynamic_sampling_draws is not None:
+            return self.dynamic_sampling_draws
+        return 2 if self.algorithm == "dapo" else 0
 
     @property
     def overlong_rule(self) -> str:

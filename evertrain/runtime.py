@@ -31,6 +31,9 @@ def quiet_libraries() -> None:
         "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
+        # Prefect waits 20 s for its ephemeral server by default: on 2 busy cores it took longer (a benchmark
+        # worker failed "Timed out while attempting to connect to ephemeral Prefect API server")
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }.items():
         os.environ.setdefault(key, value)
     import warnings

@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
-from evertrain.envs.base import Problem
+from evertrain.envs.base import Environment, Problem
 from evertrain.envs.quality import NgramIndex
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import allocate, run_stage
@@ -76,6 +76,53 @@ def attempt_history(rt: Runtime, iteration: int, ids: list[str], k: int) -> dict
     return {row.problem_id: (int(row.attempts), int(row.passes)) for row in frame.itertuples(index=False)}
 
 
+def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Problem], want: int,
+           taken: set[str], chosen: NgramIndex, dropped: dict[str, int]) -> list[Problem]:
+    """The first ``want`` of ``candidates`` that pass the rules (module docstring), in order.
+
+    ``taken`` (the iteration's problem ids so far) and ``chosen`` (their natural-language prompts' 3-grams)
+    grow with every kept problem; ``dropped`` counts the candidates each rule dropped. Used by curation and
+    by dynamic sampling's refill draws (tasks/dynamic_sampling.py), so both keep out the same problems.
+    """
+    rules = rt.config.curation
+    held_ids, held_index = _held_out_index(rt.config.model_dump_json())
+    history = attempt_history(rt, iteration, [p.id for p in candidates], rules.history_k)
+    kept: list[Problem] = []
+    for problem in candidates:
+        if len(kept) == want:
+            break
+        attempts, passes = history.get(problem.id, (0, 0))
+        natural = not env.templated
+        if problem.id in taken:
+            rule = "duplicate"
+        elif natural and chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
+            rule = "near_duplicate"
+        elif problem.id in held_ids or (natural and held_index.overlaps(problem.prompt)):
+            rule = "contaminated"
+        elif rules.history_k and attempts >= rules.history_k and passes == attempts:
+            rule = "too_easy"
+        elif rules.history_k and attempts >= rules.history_k and passes == 0:
+            rule = "too_hard"
+        else:
+            rule = None
+        if rule is not None:
+            dropped[rule] += 1
+            continue
+        kept.append(problem)
+        taken.add(problem.id)
+        if natural:
+            chosen.add(problem.prompt)
+    return kept
+
+
+def problem_row(rt: Runtime, iteration: int, env: Environment, problem: Problem,
+                refill_round: int = 0) -> dict[str, Any]:
+    """The ``problems`` row of ``problem`` (``refill_round`` >= 1: drawn by dynamic sampling)."""
+    return {"campaign": rt.campaign, "iteration": iteration, "problem_id": problem.id, "env": env.name,
+            "split": problem.split, "prompt": problem.prompt, "payload": to_json(problem.payload),
+            "messages": to_json(env.messages(problem)), "created_at": now(), "refill_round": refill_round}
+
+
 def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     config, rules = rt.config, rt.config.curation
     mix_metrics: dict[str, Any] = {}
@@ -85,8 +132,8 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         shares, mix_metrics = record(rt, iteration)
     else:
         shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
-    held_ids, held_index = _held_out_index(config.model_dump_json())
     chosen = NgramIndex(n=3)
+    taken: set[str] = set()
     dropped = dict.fromkeys(RULES, 0)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
@@ -96,38 +143,8 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
             metrics[f"problems_{spec.name}"] = 0
             continue
         candidates = env.problems("train", share * rules.oversample, seed_for(config.seed, iteration, spec.name))
-        history = attempt_history(rt, iteration, [p.id for p in candidates], rules.history_k)
-        kept: list[Problem] = []
-        ids = {row["problem_id"] for row in rows}
-        for problem in candidates:
-            if len(kept) == share:
-                break
-            attempts, passes = history.get(problem.id, (0, 0))
-            natural = not env.templated
-            if problem.id in ids:
-                rule = "duplicate"
-            elif natural and chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
-                rule = "near_duplicate"
-            elif problem.id in held_ids or (natural and held_index.overlaps(problem.prompt)):
-                rule = "contaminated"
-            elif rules.history_k and attempts >= rules.history_k and passes == attempts:
-                rule = "too_easy"
-            elif rules.history_k and attempts >= rules.history_k and passes == 0:
-                rule = "too_hard"
-            else:
-                rule = None
-            if rule is not None:
-                dropped[rule] += 1
-                continue
-            kept.append(problem)
-            ids.add(problem.id)
-            if natural:
-                chosen.add(problem.prompt)
-        rows += [{
-            "campaign": rt.campaign, "iteration": iteration, "problem_id": p.id, "env": env.name, "split": p.split,
-            "prompt": p.prompt, "payload": to_json(p.payload), "messages": to_json(env.messages(p)),
-            "created_at": now(),
-        } for p in kept]
+        kept = select(rt, iteration, env, candidates, share, taken, chosen, dropped)
+        rows += [problem_row(rt, iteration, env, p) for p in kept]
         metrics[f"problems_{spec.name}"] = len(kept)
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)

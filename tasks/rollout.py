@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -24,49 +26,44 @@ from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 
 
-def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
+def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: int, checkpoint: Path,
+                  policy: tuple[Any, Any], refill_round: int = 0, label: str = "rollout",
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], SamplingStats, dict[str, Any]]:
+    """Sample a group of G completions for every row of ``problems`` (columns problem_id, env, prompt, payload,
+    messages) with model version ``version``, held in ``checkpoint`` (``policy``: :func:`driver_policy`'s
+    sampler and tokenizer for it).
+
+    Returns the ``rollouts`` rows (unscored; ``refill_round`` marks dynamic sampling's draws), the sandbox
+    audit rows of tool episodes, the sampling statistics and the cluster fan-out's metrics. Every group is
+    seeded by (campaign seed, iteration, problem), so its samples do not depend on its batch or worker.
+    """
     config = rt.config
-    problems = rt.store.query(
-        """SELECT problem_id, env, prompt, payload, messages FROM problems WHERE campaign = ? AND iteration = ?
-           ORDER BY env, problem_id""",
-        [rt.campaign, iteration],
-    )
-    if problems.empty:
-        raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
-    # a rerun samples from the policy the iteration's rollouts were first made with, not from a trainee that
-    # has moved on since (the update's rerun would then find every rollout too stale and train nothing)
-    earlier = rt.store.scalar("SELECT min(policy_version) FROM rollouts WHERE campaign = ? AND iteration = ?",
-                              [rt.campaign, iteration])
-    version = rt.trainee_version() if earlier is None or earlier != earlier else int(earlier)
-    checkpoint = rt.checkpoint(version)
-    model, tokenizer = driver_policy(config, checkpoint)  # on a cluster the workers hold the model
+    model, tokenizer = policy
+    problems = problems.sort_values(["env", "problem_id"]).reset_index(drop=True)
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
     G = config.group_size
-    began = time.perf_counter()
     groups: list[list[Episode]] = []
     stats = SamplingStats()
     jobs = []
-    # one environment at a time: similar lengths decode together, each with its own length limit; every
-    # group seeded by (campaign seed, iteration, problem), so its samples do not depend on its batch or worker
+    # one environment at a time: similar lengths decode together, each with its own length limit
     for env_name, rows in problems.groupby("env", sort=True).indices.items():
         env_problems = [Problem(env_name, problems["problem_id"].iloc[i], problems["prompt"].iloc[i],
                                 json.loads(problems["payload"].iloc[i])) for i in rows]
         jobs.append(SampleJob(env_name, env_problems, [prompts[i] for i in rows], config.max_new_tokens(env_name),
                               seeds=[seed_for(config.seed, iteration, "rollout", p.id) for p in env_problems]))
-    with progress(len(prompts) * G, f"rollout  i={iteration}", "completion") as bar:
+    with progress(len(prompts) * G, f"{label:<8} i={iteration}", "completion") as bar:
         outputs, fanout = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, G, progress=bar)
     for env_groups, env_stats in outputs:
         groups += env_groups
         stats.merge(env_stats)
-    seconds = time.perf_counter() - began
-    rows = []
+    rows_out = []
     audit = []
     stamp = now()
     for problem, prompt_ids, group in zip(problems.itertuples(index=False), prompts, groups, strict=True):
         prompt_text = tokenizer.decode(prompt_ids)
         for index, e in enumerate(group):
             audit += [{**run, "campaign": rt.campaign, "iteration": iteration} for run in e.sandbox_runs]
-            rows.append({
+            rows_out.append({
                 "campaign": rt.campaign, "iteration": iteration, "problem_id": problem.problem_id, "sample": index,
                 "env": problem.env, "policy_version": version, "prompt_text": prompt_text, "completion": e.text,
                 "prompt_ids": prompt_ids, "completion_ids": e.completion_ids, "logprobs": e.logprobs,
@@ -75,7 +72,28 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
                 "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "rework": e.rework, "generated_at": stamp,
                 # the distribution the behaviour log-probs belong to: a replay recomputes under the same settings
                 "temperature": config.generation.temperature, "top_p": config.generation.top_p,
+                "refill_round": refill_round,
             })
+    return rows_out, audit, stats, fanout
+
+
+def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
+    config = rt.config
+    # the curated problems (those dynamic sampling drew in the score stage are the score stage's own)
+    problems = rt.store.query(
+        """SELECT problem_id, env, prompt, payload, messages FROM problems
+           WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0
+           ORDER BY env, problem_id""",
+        [rt.campaign, iteration],
+    )
+    if problems.empty:
+        raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
+    version = rollout_version(rt, iteration, default=rt.trainee_version)
+    checkpoint = rt.checkpoint(version)
+    policy = driver_policy(config, checkpoint)  # on a cluster the workers hold the model
+    began = time.perf_counter()
+    rows, audit, stats, fanout = sample_groups(rt, iteration, problems, version, checkpoint, policy)
+    seconds = time.perf_counter() - began
     rt.store.replace("rollouts", {"campaign": rt.campaign, "iteration": iteration}, pd.DataFrame(rows))
     if audit:
         rt.store.append("sandbox_runs", audit)
@@ -86,6 +104,19 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
         "truncated_share": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
         "tool_calls": sum(r["tool_calls"] for r in rows) / len(rows), **fanout,
     }
+
+
+def rollout_version(rt: Runtime, iteration: int, default: Callable[[], int]) -> int:
+    """The policy version the iteration's rollouts were first sampled with, else ``default()``.
+
+    A rerun samples from the policy the iteration's rollouts were first made with, not from a trainee that has
+    moved on since (the update's rerun would then find every rollout too stale and train nothing); dynamic
+    sampling's refill draws use it too, so every group of the batch comes from one policy.
+    """
+    earlier = rt.store.scalar(
+        """SELECT min(policy_version) FROM rollouts
+           WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0""", [rt.campaign, iteration])
+    return default() if earlier is None or earlier != earlier else int(earlier)
 
 
 @task(name="rollout", cache_policy=NO_CACHE)

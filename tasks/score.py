@@ -1,7 +1,9 @@
 """Stage 3, score: grade every rollout of the iteration with its environment's verifier.
 
 Rewards and verdicts are written onto the rollout rows; sandboxed graders add one audit row per
-sandboxed process to ``sandbox_runs``.
+sandboxed process to ``sandbox_runs``. With DAPO's dynamic sampling (``update.dynamic_sampling_draws``,
+on by default for ``dapo``) the stage then refills the batch with informative groups of fresh problems,
+sampled and graded here (:mod:`evertrain.tasks.dynamic_sampling`); those rows are the stage's own.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from evertrain.tasks.base import progress, run_stage
 
 def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     frame = rt.store.query(
-        """SELECT r.problem_id, r.sample, r.env, r.completion, p.prompt, p.payload
+        """SELECT r.problem_id, r.sample, r.env, r.completion, r.finish_reason, p.prompt, p.payload
            FROM rollouts r JOIN problems p USING (campaign, iteration, problem_id)
-           WHERE r.campaign = ? AND r.iteration = ? ORDER BY r.problem_id, r.sample""",
+           WHERE r.campaign = ? AND r.iteration = ? AND coalesce(r.refill_round, 0) = 0
+           ORDER BY r.problem_id, r.sample""",
         [rt.campaign, iteration],
     )
     if frame.empty:
@@ -62,6 +65,14 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     }
     for env, rewards in frame.groupby("env")["reward"]:
         metrics[f"mean_reward_{env}"] = float(rewards.mean())
+    # DAPO's dynamic sampling (update.dynamic_sampling_draws): refill the zero-variance groups' places with
+    # informative groups of fresh problems, a bounded number of rounds; their rows are this stage's own
+    from evertrain.tasks.dynamic_sampling import drop_refills, refill
+
+    if rt.config.update.refill_draws:
+        metrics.update(refill(rt, iteration, frame))
+    else:
+        drop_refills(rt, iteration)
     return metrics
 
 

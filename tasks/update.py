@@ -3,7 +3,8 @@
 1. Gather this iteration's scored rollouts (and, with ``update.replay``, earlier iterations' within the
    staleness bound). Every rollout's lag is the number of updates between the policy version that
    sampled it and the trainee being trained; rollouts beyond ``update.max_staleness`` are never used.
-2. Group-normalized advantages; groups whose rewards all agree carry no signal and are skipped.
+2. Group-normalized advantages; groups whose rewards all agree carry no signal and are skipped. The groups
+   DAPO's dynamic sampling drew in the score stage (``rollouts.refill_round >= 1``) are this iteration's too.
 3. Clipped-ratio steps with the decoupled objective, for every group: the ratio is taken against the
    log-probs of the trainee as it was before this update (the proximal policy, recomputed once), and
    each token is weighted by the truncated importance weight min(pi_prox / pi_behaviour, ``update.is_cap``)
@@ -165,10 +166,7 @@ def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group],
             continue
         cut = (rows["finish_reason"] == "length").to_numpy()
         info["overlong_completions"] += int(cut.sum()) * int(source == iteration)
-        rewards = torch.tensor(rows["reward"].to_numpy(), dtype=torch.float32)[None, :]
-        if overlong == "penalty" and cut.any():
-            # DAPO's overlong penalty, in its simplest form: a cut completion earns less than any finished one
-            rewards[0, torch.tensor(cut)] = -1.0
+        rewards = trained_rewards(rows["reward"].to_numpy(), cut, overlong)
         if cfg.skip_zero_variance and bool(zero_variance(rewards)[0]):
             info["skipped_zero_variance_groups"] += int(source == iteration)
             continue
@@ -185,6 +183,21 @@ def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group],
             info["replayed_groups"] += int(source != iteration)
             info["max_lag"] = max(info["max_lag"], int(lag))
     return groups, info
+
+
+def trained_rewards(rewards: Any, cut: Any, overlong: str) -> torch.Tensor:
+    """One group's rewards as the update trains on them, a [1, G] tensor: with ``overlong = "penalty"`` the
+    completions cut by the token limit (``cut``, booleans) get -1."""
+    trained = torch.tensor(rewards, dtype=torch.float32)[None, :]
+    if overlong == "penalty" and bool(cut.any()):
+        # DAPO's overlong penalty, in its simplest form: a cut completion earns less than any finished one
+        trained[0, torch.tensor(cut)] = -1.0
+    return trained
+
+
+def informative(rewards: Any, cut: Any, overlong: str) -> bool:
+    """Whether a group's rewards (as trained on, :func:`trained_rewards`) disagree: it carries a signal."""
+    return not bool(zero_variance(trained_rewards(rewards, cut, overlong))[0])
 
 
 def _stored_temperature(row: Any, default: float) -> float:

@@ -19,6 +19,21 @@ def test_shipped_configs_load():
     assert smoke.model.path == "embedded:tiny" and smoke.group_size >= 2
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda path: path.name)
+def test_every_shipped_config_builds_its_environments(path):
+    """Each environment of each shipped config is built with its options and draws train and held-out problems."""
+    from evertrain.envs import registry
+
+    config = load_config(path)
+    for spec in config.environments:
+        env = registry.get(spec.name, **spec.options)
+        train = env.problems("train", 2, config.seed)
+        held = env.problems("eval", config.eval_size(spec.name), config.seed)
+        assert train and held, spec.name
+        assert not {p.id for p in train} & {p.id for p in held}, spec.name
+        assert env.messages(train[0])[-1]["content"] == train[0].prompt
+
+
 @pytest.mark.parametrize(("data", "field", "words"), [
     ({"update": {"learning_rate": -1e-4}}, "update.learning_rate", "greater than 0"),
     ({"environments": [{"name": "chess"}]}, "environments", "unknown environment 'chess'"),

@@ -175,10 +175,28 @@ def test_config_overrides_reach_generation_and_scoring():
 @pytest.mark.parametrize("options, message", [
     ({"reward": "lenient"}, "reward"), ({"config": {"seed": 1}}, "seed or size"), ({"config": [1]}, "config"),
     ({"eval_size": 0}, "eval_size"), ({"temperature": 1}, "takes no options"),
+    ({"examples": []}, "non-empty list"), ({"examples": [["What is 2 + 2?"]]}, r"examples\[0\]"),
+    ({"examples": [["What is 2 + 2?", "It is 4."]]}, "#### <answer>"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         rg.ReasoningGym("chain_sum", **options)
+
+
+def test_examples_option_replaces_the_generic_worked_example():
+    problem = rg.ReasoningGym("basic_arithmetic").problems("train", 1, 0)[0]
+    default = rg.ReasoningGym("basic_arithmetic").messages(problem)
+    assert [m["role"] for m in default] == ["system", "user", "assistant", "user"]
+    assert default[1]["content"] == rg.EXAMPLE[0]
+    pairs = [["What is 4 + 3?", "4 + 3 = 7\n#### 7"], ["What is 2 + 5?", "2 + 5 = 7\n#### 7"]]
+    env = rg.ReasoningGym("basic_arithmetic", examples=pairs)
+    messages = env.messages(problem)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in messages[1:5]] == [x for pair in pairs for x in pair]
+    assert messages[-1]["content"] == problem.prompt and messages[0] == default[0]
+    # the grader and the problems are unchanged by the prompt
+    assert env.verify(problem, env.reference(problem)).passed
+    assert env.problems("train", 3, 0) == rg.ReasoningGym("basic_arithmetic").problems("train", 3, 0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS problems (
     campaign VARCHAR, iteration INTEGER, problem_id VARCHAR,
     env VARCHAR, split VARCHAR, prompt VARCHAR, payload JSON, messages JSON,
     created_at TIMESTAMPTZ,
+    refill_round INTEGER,  -- 0 (or NULL): curated; k >= 1: drawn by dynamic sampling's k-th refill round (score)
     PRIMARY KEY (campaign, iteration, problem_id)
 );
 
@@ -68,6 +69,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     generated_at TIMESTAMPTZ,
     reward DOUBLE, passed BOOLEAN, reason VARCHAR, detail JSON, scored_at TIMESTAMPTZ,
     temperature DOUBLE, top_p DOUBLE,  -- what the behaviour log-probs were sampled with (replays use them)
+    refill_round INTEGER,  -- 0 (or NULL): sampled by the rollout stage; k >= 1: dynamic sampling's k-th refill round
     PRIMARY KEY (campaign, iteration, problem_id, sample)
 );
 
@@ -527,6 +529,23 @@ class Store:
 
         self._write(body)
         return len(scores)
+
+    def replace_refills(self, campaign: str, iteration: int, problems: pd.DataFrame | list[dict[str, Any]],
+                        rollouts: pd.DataFrame | list[dict[str, Any]]) -> int:
+        """Replace one iteration's dynamic-sampling rows (``refill_round >= 1``) in ``problems`` and ``rollouts``
+        with the given ones, in one transaction (the score stage's own rows: a rerun never duplicates them)."""
+        problem_frame = problems if isinstance(problems, pd.DataFrame) else pd.DataFrame(problems)
+        rollout_frame = rollouts if isinstance(rollouts, pd.DataFrame) else pd.DataFrame(rollouts)
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            for table, frame in (("problems", problem_frame), ("rollouts", rollout_frame)):
+                con.execute(f"DELETE FROM {table} WHERE campaign = ? AND iteration = ? AND refill_round >= 1",
+                            [campaign, iteration])
+                if len(frame):
+                    _insert(con, table, frame, ())
+
+        self._write(body)
+        return len(rollout_frame)
 
     # --- one writer per campaign ------------------------------------------------------------------
     def claim(self, campaign: str) -> None:

@@ -973,7 +973,8 @@ class ReasoningGym(Environment):
 
     Options: ``reward`` ("strict" or "score"), ``config`` (the generator's config overrides, passed to
     ``reasoning_gym.create_dataset``; seed and size are the environment's), ``eval_size`` (the held-out
-    pool's size, default 100).
+    pool's size, default 100), ``examples`` ([user, assistant] worked examples of the domain's own kind,
+    each ending in the ``#### <answer>`` line, in place of the one generic example).
     """
 
     kind: ClassVar[str] = "reasoning"
@@ -981,7 +982,8 @@ class ReasoningGym(Environment):
     templated: ClassVar[bool] = True
 
     def __init__(self, generator: str, *, reward: Reward = "strict", config: dict[str, Any] | None = None,
-                 eval_size: int = DEFAULT_EVAL_SIZE, **options: Any) -> None:
+                 eval_size: int = DEFAULT_EVAL_SIZE, examples: list[list[str]] | None = None,
+                 **options: Any) -> None:
         self.name = f"rg:{generator}"  # type: ignore[misc]  (an instance attribute: one class, many names)
         super().__init__(**options)
         if generator not in _registry():
@@ -999,6 +1001,24 @@ class ReasoningGym(Environment):
             raise ValueError(f"{self.name}: eval_size must be a positive integer, not {eval_size!r}")
         self.generator, self.reward_mode, self.config, self.eval_size = generator, reward, config, eval_size
         json.dumps(config)  # a TypeError here names a config that cannot be stored with the campaign
+        # worked examples of this domain's own kind, replacing the one generic example (option ``examples``:
+        # [user, assistant] pairs, each assistant turn ending in the '#### <answer>' line the grader reads)
+        self.worked_examples = self._check_examples(examples) if examples is not None else None
+
+    def _check_examples(self, examples: Any) -> tuple[tuple[str, str], ...]:
+        if not isinstance(examples, list | tuple) or not examples:
+            raise ValueError(f"{self.name}: examples must be a non-empty list of [user, assistant] pairs")
+        pairs = []
+        for i, pair in enumerate(examples):
+            if (not isinstance(pair, list | tuple) or len(pair) != 2
+                    or not all(isinstance(x, str) and x.strip() for x in pair)):
+                raise ValueError(f"{self.name}: examples[{i}] must be a pair of non-empty strings [user, assistant], "
+                                 f"not {pair!r}")
+            if extract_final_answer(pair[1])[0] is None:
+                raise ValueError(f"{self.name}: examples[{i}]'s assistant turn must end with the final answer line "
+                                 f"'#### <answer>' (the format the grader reads), not {pair[1]!r}")
+            pairs.append((pair[0], pair[1]))
+        return tuple(pairs)
 
     # --- problems
 
@@ -1088,12 +1108,13 @@ class ReasoningGym(Environment):
         return self.generator in MULTILINE_GENERATORS
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        """A short system prompt with the answer format, one worked example, then the question."""
+        """A short system prompt with the answer format, worked examples (one generic by default), the question."""
         multiline = self._multiline()
-        user, assistant = MULTILINE_EXAMPLE if multiline else EXAMPLE
-        return [{"role": "system", "content": SYSTEM_PROMPT + (MULTILINE_NOTE if multiline else "")},
-                {"role": "user", "content": user}, {"role": "assistant", "content": assistant},
-                {"role": "user", "content": problem.prompt}]
+        examples = self.worked_examples or (MULTILINE_EXAMPLE if multiline else EXAMPLE,)
+        chat = [{"role": "system", "content": SYSTEM_PROMPT + (MULTILINE_NOTE if multiline else "")}]
+        for user, assistant in examples:
+            chat += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return [*chat, {"role": "user", "content": problem.prompt}]
 
     # --- grading
 
