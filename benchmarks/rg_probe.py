@@ -9,9 +9,9 @@ scorer in the sandbox, full credit only). A domain is a generator plus its confi
 :data:`CANDIDATES` holds easy configs (``chain_sum:1d2t`` ...); a bare generator name means its defaults;
 ``--config-json`` gives the config of every listed domain on the command line instead.
 
-``--examples-json`` measures a lever the environment does not offer yet: it replaces the environment's one
-worked example (a spelling one, the same for every generator) with the given (user, assistant) pairs.
-Rows measured so are marked ``"prompt": "custom examples"``: a campaign does not send that prompt today.
+``--examples-json`` gives the environment's ``examples`` option: the given (user, assistant) pairs replace its
+one generic worked example (a spelling one), exactly as a campaign configured with that option sends them.
+Rows measured so are marked ``"prompt": "custom examples"``.
 
     .venv/bin/python benchmarks/rg_probe.py [--domains chain_sum:1d2t,syllogism] [--problems 3] [--samples 8]
         [--max-new-tokens 48] [--dtype bfloat16] [--config-json '{"min_terms": 2}'] [--threads 1] [--list]
@@ -92,16 +92,6 @@ def resolve(name: str, config_json: str | None) -> tuple[str, dict[str, Any]]:
     return generator, dict(config)
 
 
-def chat(env: Any, problem: Any, examples: list[list[str]] | None) -> list[dict[str, str]]:
-    """The environment's messages; with ``examples``, its worked example replaced by those pairs."""
-    messages = env.messages(problem)
-    if examples is None:
-        return messages
-    shots = [{"role": role, "content": text} for pair in examples for role, text in zip(("user", "assistant"), pair,
-                                                                                          strict=True)]
-    return [messages[0], *shots, messages[-1]]
-
-
 def probe(domain: str, generator: str, config: dict[str, Any], model: Any, tokenizer: Any,
           args: argparse.Namespace) -> dict[str, Any]:
     """Sample and grade one domain; a row of the table (``error`` set if the environment cannot be built)."""
@@ -113,19 +103,19 @@ def probe(domain: str, generator: str, config: dict[str, Any], model: Any, token
                            "prompt": "custom examples" if args.examples_json else "environment's own",
                            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "dtype": args.dtype}
     try:
-        env = registry.get(f"rg:{generator}", config=config)
+        examples = json.loads(args.examples_json) if args.examples_json else None
+        env = registry.get(f"rg:{generator}", config=config, **({"examples": examples} if examples else {}))
         problems = env.problems("train", args.problems, seed_for(args.seed, 0, env.name))
     except Exception as error:  # a config the generator refuses: reported, not fatal to the sweep
         return {**row, "error": f"{type(error).__name__}: {error}"[:300]}
     began = time.perf_counter()
-    examples = json.loads(args.examples_json) if args.examples_json else None
-    prompts = [encode_chat(tokenizer, chat(env, p, examples)) for p in problems]
+    prompts = [encode_chat(tokenizer, env.messages(p)) for p in problems]
     # as the rollout stage does: temperature sampling, each group seeded by (seed, iteration, problem id)
     groups, stats = sample(model, tokenizer, prompts, args.samples, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, batch_size=64,
                            seeds=[seed_for(args.seed, 0, "rollout", p.id) for p in problems])
     sampled = time.perf_counter()
-    passes, reasons, per_group, examples, failures = 0, Counter[str](), [], [], []
+    passes, reasons, per_group, passing, failures = 0, Counter[str](), [], [], []
     for problem, group in zip(problems, groups, strict=True):
         group_passes = 0
         for completion in group:
@@ -133,8 +123,8 @@ def probe(domain: str, generator: str, config: dict[str, Any], model: Any, token
             reasons[verdict.reason] += 1
             if verdict.passed:
                 group_passes += 1
-                if len(examples) < 3:
-                    examples.append({"question": problem.prompt[:300], "completion": completion.text})
+                if len(passing) < 3:
+                    passing.append({"question": problem.prompt[:300], "completion": completion.text})
             elif len(failures) < 2:
                 failures.append({"question": problem.prompt[:300], "answer": problem.payload.get("answer"),
                                  "completion": completion.text, "reason": verdict.reason})
@@ -146,7 +136,7 @@ def probe(domain: str, generator: str, config: dict[str, Any], model: Any, token
             "signal_groups": sum(0 < k < args.samples for k in per_group), "per_group": per_group,
             "reasons": dict(reasons.most_common()), "completion_tokens": stats.completion_tokens,
             "sample_s": round(sampled - began, 1), "grade_s": round(time.perf_counter() - sampled, 1),
-            "passing_examples": examples, "failing_examples": failures}
+            "passing_examples": passing, "failing_examples": failures}
 
 
 def main() -> None:
@@ -160,7 +150,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--config-json", default=None, help="the generator config of every listed domain")
     parser.add_argument("--examples-json", default=None,
-                        help="[[user, assistant], ...]: worked examples replacing the environment's own")
+                        help="[[user, assistant], ...]: the environment's examples option (replacing its generic one)")
     parser.add_argument("--seed", type=int, default=0, help="the campaign seed problems and samples derive from")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", default="rg_probe", help="results file name under benchmarks/results/")

@@ -565,9 +565,10 @@ def evaluate_seed(system: str, seed: int, result: dict[str, Any], evaluate: Eval
     run = {"system": system, "seed": seed, "output": label, **summarize(base, after, cpu_s),
            "passed": after["passed"], "train_cpu_min": float(result["train_cpu_s"]) / 60,
            "completions": int(result["completions"]), "wall_min": float(result.get("worker_wall_s", 0.0)) / 60}
-    moved = as_array(transfer(output)) - as_array(base_transfer)
+    moved_to = transfer(output)
+    moved = as_array(moved_to) - as_array(base_transfer)
     run["transfer_gain"], run["transfer_gain_ci"] = float(moved.mean()), list(bootstrap_ci(moved))
-    run["transfer_passed"] = transfer(output)["passed"]
+    run["transfer_passed"] = moved_to["passed"]
     if system == "evertrain":
         its = result["iterations"]
         last = summarize(base, evaluate(result["final_checkpoint"]), cpu_s)
@@ -620,7 +621,7 @@ def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: d
     if {"evertrain", "trl"} <= set(out):
         ours, theirs = out["evertrain"]["points_per_cpu_hour"], out["trl"]["points_per_cpu_hour"]
         # P(evertrain's rate >= 2x TRL's) over independent bootstrap draws of the two systems
-        p_two = float(np.mean(draws["evertrain"] >= 2 * draws["trl"]))
+        p_two = float(np.mean((draws["evertrain"] > 0) & (draws["evertrain"] >= 2 * draws["trl"])))  # as "met"
         out["bar"] = {"required": "evertrain points per CPU-hour all in >= 2x TRL's",
                       "evertrain_points_per_cpu_hour": ours, "trl_points_per_cpu_hour": theirs,
                       "ratio": ours / theirs if theirs > 0 else None,
