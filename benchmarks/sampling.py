@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--eval", type=int, default=200, help="held-out problems answered greedily")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--results-name", default="sampling",
+                        help="write benchmarks/results/<name>.json (another machine's numbers beside this one's)")
     parser.add_argument("--backends", default="hf:float32,vllm:bfloat16,hf:bfloat16,vllm:float32")
     args = parser.parse_args()
     from evertrain.runtime import quiet_libraries
@@ -99,7 +101,7 @@ def main() -> None:
         del sampler
         shutdown_engines()
         # saved after every backend: a long run interrupted still leaves what it measured
-        path = save("sampling", {
+        path = save(args.results_name, {
             "settings": vars(args), "rows": rows, "load_average_before": load0,
             "note": "startup_s: loading the weights (hf) or starting the vLLM engine (vllm, enforce_eager), paid "
                     "once per process. load_average: of the machine (2 cores) when the row was measured. Ceilings "

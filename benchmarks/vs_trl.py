@@ -29,6 +29,7 @@ in). The bar: evertrain's points per CPU-hour at least 2x TRL's.
     .venv/bin/python benchmarks/vs_trl.py                       # seeds 0,1,2; about 100 CPU-minutes here
     .venv/bin/python benchmarks/vs_trl.py --seeds 0 --curve     # one seed, every checkpoint evaluated
     .venv/bin/python benchmarks/vs_trl.py --quick --model tiny  # plumbing only: a tiny model, minutes
+    .venv/bin/python benchmarks/vs_trl.py --set eval.every=6 --results-name vs_trl_every6  # a variant, filed apart
 
 Writes benchmarks/results/vs_trl.json and benchmarks/results/vs_trl.png.
 """
@@ -102,7 +103,7 @@ def campaign_config(args: argparse.Namespace, scratch: Path) -> Any:
     """configs/default.toml with only the arithmetic environment, the benchmark's eval set, paths in scratch."""
     from evertrain.config import load_config
 
-    config = load_config(ROOT / "configs" / "default.toml")
+    config = load_config(ROOT / "configs" / "default.toml", list(args.set or []))
     data = config.model_dump()
     data["name"] = "vs-trl"
     data["seed"] = args.seed
@@ -112,6 +113,8 @@ def campaign_config(args: argparse.Namespace, scratch: Path) -> Any:
     # campaign's own sealed measurement (base and each new champion) would only repeat it
     data["environments"] = [{**arithmetic, "weight": 1.0, "sealed_problems": 0}]
     data["eval"]["sealed_problems"] = 0
+    if args.curve:  # every iteration's challenger is evaluated afterwards: retention must not delete any
+        data["retention"]["keep_challengers"] = None
     if args.model == "tiny":
         data["model"].update(path="embedded:tiny", rollout_dtype="float32", models_dir=str(scratch / "models"))
     else:  # the converted SmolLM2-135M-Instruct, where `make demo` keeps it (state/ is ignored by git)
@@ -502,6 +505,10 @@ def run_worker(system: str, args: argparse.Namespace, scratch: Path, base_model:
                "--iterations", str(args.iterations if system == "evertrain" else 0)]
     if args.trl_gradient_checkpointing:
         command.append("--trl-gradient-checkpointing")
+    for setting in args.set or []:
+        command += ["--set", setting]
+    if args.curve:
+        command.append("--curve")
     env = {**os.environ, "EVERTRAIN_PROGRESS": "0"}
     if "PREFECT_API_URL" not in env:  # an ephemeral Prefect of our own: nothing written to the user's Prefect DB
         env["PREFECT_HOME"] = str(scratch / "prefect")
@@ -615,6 +622,9 @@ def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: d
             "transfer_gains": [r["transfer_gain"] for r in mine], "transfer_gain": transfer_gain,
             "transfer_gain_ci": [float(np.quantile(boot_t, 0.025)), float(np.quantile(boot_t, 0.975))],
             "cpu_min_mean": hours * 60, "points_per_cpu_hour": 100 * gain / hours,
+            # for information (the bar is the test split's): the whole sealed set, test and transfer pooled
+            "sealed_set_gain": (gain + transfer_gain) / 2,
+            "sealed_set_points_per_cpu_hour": 100 * (gain + transfer_gain) / 2 / hours,
             "points_per_cpu_hour_ci": [float(np.quantile(draws[system], 0.025)),
                                        float(np.quantile(draws[system], 0.975))],
         }
@@ -626,6 +636,8 @@ def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: d
                       "evertrain_points_per_cpu_hour": ours, "trl_points_per_cpu_hour": theirs,
                       "ratio": ours / theirs if theirs > 0 else None,
                       "p_evertrain_at_least_2x": p_two, "met": ours > 0 and ours >= 2 * theirs}
+        pooled = out["evertrain"]["sealed_set_points_per_cpu_hour"], out["trl"]["sealed_set_points_per_cpu_hour"]
+        out["bar"]["sealed_set_ratio"] = pooled[0] / pooled[1] if pooled[1] > 0 else None
     return out
 
 
@@ -657,6 +669,11 @@ def main() -> None:
                         "memory is no constraint and recomputation only costs CPU")
     parser.add_argument("--learning-rate", type=float, default=2e-4,
                         help="AdamW learning rate of both systems (default 2e-4, the demo's)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="change evertrain's campaign config as `evertrain run --set` does (repeatable), e.g. "
+                        "--set eval.every=6; the learning rate is --learning-rate's, shared with TRL")
+    parser.add_argument("--results-name", default=RESULTS_NAME,
+                        help="write benchmarks/results/<name>.json and .png (default vs_trl)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs (and base evaluations) already in benchmarks/results/vs_trl.json, made "
                         "with the same settings, and run only the missing (system, seed) pairs")
@@ -697,7 +714,7 @@ def main() -> None:
 
     quiet_libraries()
     from benchmarks.common import print_table, save
-    from evertrain.models.policy import resolve_base, write_base_checkpoint
+    from evertrain.models.policy import resolve_base, sampling_dtype, write_base_checkpoint
 
     args.seed = seeds[0]
     config = campaign_config(args, scratch)
@@ -721,10 +738,12 @@ def main() -> None:
         "the last (generation, reward, update), less its adapter snapshots. One-time set-up (model load, Prefect "
         "and MLflow start) is outside both.",
         "evertrain": {"config": "configs/default.toml, arithmetic only (weight 1), in-loop sealed measurement off",
+                      "settings_changed": list(args.set or []),
                       "problems_per_iteration": config.problems_per_iteration,
                       "completions_per_iteration": config.problems_per_iteration * config.group_size,
                       "sft": config.sft.model_dump(mode="json"), "eval": config.eval.model_dump(mode="json"),
                       "update": config.update.model_dump(mode="json"), "rollout_dtype": config.model.rollout_dtype,
+                      "rollout_dtype_resolved": sampling_dtype(config.model.rollout_dtype, config.model.device),
                       "curation": config.curation.model_dump(mode="json"),
                       "promotion": config.promotion.model_dump(mode="json")},
         "trl": {"learning_rate": args.learning_rate, "lr_scheduler_type": "constant",
@@ -742,17 +761,19 @@ def main() -> None:
         # how much CPU the rest of the machine used meanwhile: the timings are clean only when this is small
         payload["contention"] = {"machine_busy_cpu_s": busy, "benchmark_cpu_s": own,
                                  "other_processes_cpu_s": busy - own, "loadavg_now": Path("/proc/loadavg").read_text()}
-        save(RESULTS_NAME, payload)
+        save(args.results_name, payload)
 
     evaluate = Evaluator(config, args.eval_problems, args.eval_dtype, split="test")
     transfer = Evaluator(config, args.eval_problems, args.eval_dtype, split="transfer")
     if args.resume:
         from benchmarks.common import RESULTS
 
-        old = json.loads((RESULTS / f"{RESULTS_NAME}.json").read_text())
+        old = json.loads((RESULTS / f"{args.results_name}.json").read_text())
         same = ("iterations", "eval_problems", "eval_dtype", "learning_rate_both", "model", "matched_budget",
                 "group_size", "max_new_tokens", "temperature")
         differ = [k for k in same if old["settings"].get(k) != settings.get(k)]
+        if old["settings"]["evertrain"].get("settings_changed", []) != settings["evertrain"]["settings_changed"]:
+            differ.append("--set")
         if differ:
             parser.error(f"--resume: the saved results were made with other settings ({', '.join(differ)})")
         payload["runs"] = [r for r in old["runs"] if r["seed"] in seeds]
@@ -813,17 +834,22 @@ def main() -> None:
         print(f"bar (evertrain points/CPU-hour all in >= 2x TRL's): {b['evertrain_points_per_cpu_hour']:.1f} vs "
               f"{b['trl_points_per_cpu_hour']:.1f} ({ratio}, P(>= 2x) = {b['p_evertrain_at_least_2x']:.2f}): "
               f"{'met' if b['met'] else 'NOT met'}")
+        pooled = b.get("sealed_set_ratio")
+        print("for information, the whole sealed set (test and transfer pooled): evertrain "
+              f"{payload['summary']['evertrain']['sealed_set_points_per_cpu_hour']:.1f} vs TRL "
+              f"{payload['summary']['trl']['sealed_set_points_per_cpu_hour']:.1f} points/CPU-hour "
+              f"({'n/a' if pooled is None else f'{pooled:.2f}x'})")
     for failure in payload["failures"]:
         print(f"FAILED: {failure['system']} seed {failure['seed']}: {failure['error']}")
     if payload["runs"]:
         from benchmarks.common import RESULTS
 
         RESULTS.mkdir(parents=True, exist_ok=True)
-        png = RESULTS / f"{RESULTS_NAME}.png"
+        png = RESULTS / f"{args.results_name}.png"
         plot(png, payload["runs"], base, args.eval_problems)
         payload["plot"] = str(png.relative_to(ROOT))
     checkpoint_save()
-    log(f"saved benchmarks/results/{RESULTS_NAME}.json ({payload['wall_s'] / 60:.1f} min of wall time)")
+    log(f"saved benchmarks/results/{args.results_name}.json ({payload['wall_s'] / 60:.1f} min of wall time)")
     if payload["failures"]:
         sys.exit(1)
 

@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
     done = campaign_flow(config, args.iterations)
-    from evertrain.report import champion_vs_base, format_versus, share_line
+    from evertrain.report import champion_vs_base, format_refusal, format_versus, last_refusal, share_line
 
     rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
     render_table(rows, f"campaign {config.name}")
@@ -73,6 +73,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(share_line(rows))
     for s in champion_vs_base(rt.store, config.name):
         print(format_versus(s))
+    for line in format_refusal(last_refusal(rt.store, config.name)):
+        print(line)
     return 0
 
 
@@ -217,9 +219,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
     rows = iteration_report(store, args.campaign)
     summary = champion_vs_base(store, args.campaign)
-    from evertrain.report import agent_metrics, format_agent, format_mix, mix_over_iterations
+    from evertrain.report import (
+        agent_metrics,
+        format_agent,
+        format_mix,
+        format_refusal,
+        last_refusal,
+        mix_over_iterations,
+    )
 
     mix, agent = mix_over_iterations(store, args.campaign), agent_metrics(store, args.campaign)
+    refusal = last_refusal(store, args.campaign)
     store.close()
     if not rows:
         print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
@@ -237,7 +247,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(share_line(rows))
         for s in summary:
             print(format_versus(s))
-        for line in format_agent(agent) + format_mix(mix):
+        for line in format_refusal(refusal) + format_agent(agent) + format_mix(mix):
             print(line)
     return 0
 

@@ -162,13 +162,33 @@ def current_champion(store: Store, campaign: str) -> int | None:
     return None if events.empty else int(events["v"].iloc[0])
 
 
+def _paired_gains(frame: Any, before: int, after: int, samples: int, seed: int) -> list[dict[str, Any]]:
+    """Per environment and split: pass@1 of ``before`` and ``after`` on the problems both answered, and the
+    gain with a 95% paired bootstrap interval (resampling problems)."""
+    import numpy as np
+
+    rows = []
+    rng = np.random.default_rng(seed)
+    order = {split: i for i, split in enumerate(SPLIT_LABELS)}
+    groups = sorted(frame.groupby(["env", "split"]), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9)))
+    for (env, split), part in groups:
+        paired = part.pivot_table(index="problem_id", columns="model_version", values="reward").dropna()
+        if paired.empty or after not in paired or before not in paired:
+            continue
+        diff = (paired[after] - paired[before]).to_numpy()
+        boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
+        rows.append({"env": env, "split": split, "problems": len(diff),
+                     "before_pass1": float(paired[before].mean()), "after_pass1": float(paired[after].mean()),
+                     "gain": float(diff.mean()), "gain_low": float(np.quantile(boot, 0.025)),
+                     "gain_high": float(np.quantile(boot, 0.975))})
+    return rows
+
+
 def champion_vs_base(store: Store, campaign: str, samples: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
     """Per environment and split: pass@1 of the base model and of the current champion on the same problems,
     and the gain with a 95% paired bootstrap interval. Splits: ``gate`` (what every promotion looked at),
     and the sealed ``test`` and ``transfer`` splits (measured after promotions, never looked at by one);
     the gate's gain above the sealed test gain shows how far the gate's repeated use flatters it."""
-    import numpy as np
-
     champion = current_champion(store, campaign)
     base = store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [campaign])
     if champion is None or base is None:
@@ -178,25 +198,51 @@ def champion_vs_base(store: Store, campaign: str, samples: int = 2000, seed: int
            FROM evals WHERE campaign = ? AND sample = 0 AND model_version IN (?, ?) GROUP BY ALL""",
         [campaign, int(base), champion])
     rows = []
-    rng = np.random.default_rng(seed)
-    order = {split: i for i, split in enumerate(SPLIT_LABELS)}
-    groups = sorted(frame.groupby(["env", "split"]), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9)))
-    for (env, split), part in groups:
-        paired = part.pivot_table(index="problem_id", columns="model_version", values="reward").dropna()
-        if paired.empty or champion not in paired or int(base) not in paired:
-            continue
-        diff = (paired[champion] - paired[int(base)]).to_numpy()
-        boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
-        rows.append({"env": env, "split": split, "problems": len(diff), "base_version": int(base),
-                     "champion_version": champion, "base_pass1": float(paired[int(base)].mean()),
-                     "champion_pass1": float(paired[champion].mean()),
-                     "gain": float(diff.mean()), "gain_low": float(np.quantile(boot, 0.025)),
-                     "gain_high": float(np.quantile(boot, 0.975))})
+    for row in _paired_gains(frame, int(base), champion, samples, seed):
+        before, after = row.pop("before_pass1"), row.pop("after_pass1")
+        rows.append({**row, "base_version": int(base), "champion_version": champion,
+                     "base_pass1": before, "champion_pass1": after})
     gate = {r["env"]: r["gain"] for r in rows if r["split"] == "gate"}
     for row in rows:
         if row["split"] == "test" and row["env"] in gate:
             row["gate_optimism"] = gate[row["env"]] - row["gain"]
     return rows
+
+
+def last_refusal(store: Store, campaign: str, samples: int = 2000, seed: int = 0) -> dict[str, Any] | None:
+    """When the campaign's last gate kept the champion: that challenger against the champion, per environment,
+    on the gate's problems both answered (what the gate weighed), with the gate's reason; None otherwise.
+    A refused challenger is often better overall and worse on one domain: this says which."""
+    last = store.query(
+        """SELECT iteration, challenger_version, champion_version, promoted, reason FROM promotions
+           WHERE campaign = ? ORDER BY decided_at DESC LIMIT 1""", [campaign])
+    if last.empty or bool(last["promoted"].iloc[0]) or last["challenger_version"].isna().iloc[0]:
+        return None
+    iteration, challenger = int(last["iteration"].iloc[0]), int(last["challenger_version"].iloc[0])
+    champion = int(last["champion_version"].iloc[0])
+    frame = store.query(
+        """SELECT model_version, env, 'gate' AS split, problem_id, any_value(reward) AS reward FROM evals
+           WHERE campaign = ? AND sample = 0 AND coalesce(split, 'gate') = 'gate'
+             AND ((iteration = ? AND model_version = ?) OR (iteration <= ? AND model_version = ?))
+           GROUP BY ALL""", [campaign, iteration, challenger, iteration, champion])
+    envs = [{"env": r["env"], "problems": r["problems"], "champion_pass1": r["before_pass1"],
+             "challenger_pass1": r["after_pass1"], "gain": r["gain"], "gain_low": r["gain_low"],
+             "gain_high": r["gain_high"]} for r in _paired_gains(frame, champion, challenger, samples, seed)]
+    return {"iteration": iteration, "challenger_version": challenger, "champion_version": champion,
+            "reason": str(last["reason"].iloc[0]), "envs": envs}
+
+
+def format_refusal(refusal: dict[str, Any] | None) -> list[str]:
+    """The refused challenger's lines: the gate's reason, then its per-environment gain over the champion."""
+    if not refusal:
+        return []
+    lines = [f"last gate (iteration {refusal['iteration']}): challenger v{refusal['challenger_version']} refused "
+             f"({refusal['reason']})"]
+    for e in refusal["envs"]:
+        lines.append(f"  {e['env']}: challenger {e['challenger_pass1']:.3f} vs champion v{refusal['champion_version']} "
+                     f"{e['champion_pass1']:.3f} on {e['problems']} problems: {e['gain']:+.3f} "
+                     f"(95% CI [{e['gain_low']:+.3f}, {e['gain_high']:+.3f}])")
+    return lines
 
 
 def format_versus(s: dict[str, Any]) -> str:

@@ -31,7 +31,14 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from evertrain.models.policy import ModelError, Sample, SamplingStats, load_tokenizer, read_manifest
+from evertrain.models.policy import (
+    ModelError,
+    Sample,
+    SamplingStats,
+    load_tokenizer,
+    read_manifest,
+    sampling_dtype,
+)
 
 if TYPE_CHECKING:
     from evertrain.config import CampaignConfig
@@ -113,7 +120,8 @@ def engine_options(config: CampaignConfig, base_model: str) -> dict[str, Any]:
     """What the engine is started with: the base model, its precision, LoRA slots and the engine seed."""
     gen = config.generation
     options: dict[str, Any] = {
-        "model": base_model, "dtype": config.model.rollout_dtype, "seed": config.seed,
+        "model": base_model, "dtype": sampling_dtype(config.model.rollout_dtype, config.model.device),
+        "seed": config.seed,
         "enforce_eager": gen.vllm_enforce_eager, "max_model_len": gen.vllm_max_model_len,
         "enable_lora": config.update.finetune == "lora",
         "block_size": gen.vllm_block_size,
@@ -384,7 +392,8 @@ def open_sampler(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sample
     from evertrain.models.policy import load_policy
 
     began = time.perf_counter()
-    model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, config.model.rollout_dtype),
+    dtype = sampling_dtype(config.model.rollout_dtype, config.model.device)
+    model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, dtype),
                                    device=config.model.device)
     seconds = time.perf_counter() - began
     record_sync(seconds)

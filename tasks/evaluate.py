@@ -136,12 +136,15 @@ def efficacy_boundaries(fractions: tuple[float, ...], alpha: float, paths: int =
 def generation_key(rt: Runtime, problem: Problem) -> str:
     """How an answer to ``problem`` is generated: token and turn limits, dtype, the prompt's messages and the
     decoding. Rows are reused only under the same key: a changed template or limit means new answers."""
+    from evertrain.models.policy import sampling_dtype
+
     config, env = rt.config, rt.env(problem.env)
     decoding: dict[str, Any] = {"greedy": True, "samples": config.eval.samples}
     if config.eval.samples:
         decoding.update(temperature=config.generation.temperature, top_p=config.generation.top_p, seed=config.seed)
     blob = {"max_new_tokens": config.max_new_tokens(problem.env, evaluation=True), "max_turns": env.max_turns,
-            "dtype": config.model.rollout_dtype, "messages": env.messages(problem), "decoding": decoding}
+            "dtype": sampling_dtype(config.model.rollout_dtype, config.model.device),
+            "messages": env.messages(problem), "decoding": decoding}
     from evertrain.models.sampler import resolve_backend
 
     backend = resolve_backend(config)
