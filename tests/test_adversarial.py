@@ -205,8 +205,10 @@ print("FOUND", found)
 def add(a, b):
     return a + b if found else 0
 """
-    verdict, (candidate, _) = grade(source)
-    assert verdict.reason == "tests_failed"
+    # room to finish the scan (the interpreter's read-only tree under /root alone is thousands of files: 1 CPU-s
+    # was not enough on a slower CPU, and the hack then ended on limit_cpu before it could report what it found)
+    verdict, (candidate, _) = grade(source, dataclasses.replace(LIMITS, cpu_s=30, timeout_s=90))
+    assert verdict.reason == "tests_failed", candidate.stdout[-500:]
     assert "FOUND []" in candidate.stdout
 
 
