@@ -26,17 +26,12 @@ def machine() -> dict[str, Any]:
     memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     import torch
 
+    from evertrain.models.policy import cpu_supports_bf16  # which precision samples faster depends on it
+
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
             "cores": len(os.sched_getaffinity(0)), "memory_gib": memory_gib, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "gpu": torch.cuda.get_device_name(0)
-            if torch.cuda.is_available() else None, "cpu_bfloat16_native": cpu_bf16()}
-
-
-def cpu_bf16() -> bool:
-    """Whether the CPU computes bfloat16 natively (AVX-512 BF16 or AMX): it decides which precision samples faster."""
-    from evertrain.models.policy import cpu_supports_bf16
-
-    return cpu_supports_bf16()
+            if torch.cuda.is_available() else None, "cpu_bfloat16_native": cpu_supports_bf16()}
 
 
 def save(name: str, payload: dict[str, Any]) -> Path:

@@ -8,6 +8,7 @@ always loads again.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -512,6 +513,7 @@ def _right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_supports_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX): only then is bf16 autocast faster."""
     try:
