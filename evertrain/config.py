@@ -309,7 +309,8 @@ class PromotionConfig(_Strict):
     max_regression: float = Field(0.05, ge=0, le=1, description="Largest allowed drop on any one environment.")
     bootstrap_samples: int = Field(2000, ge=100)
     reset_after_failures: int = Field(
-        0, ge=0, description="Reset the trainee to the champion after this many failed gates in a row (0: never)."
+        0, ge=0, description="Reset the trainee to the champion after this many failed gates in a row (0: never); "
+        "a refusal of a challenger that was ahead (gain above min_gain, no environment regressed) does not count."
     )
     efficacy: bool = Field(
         True, description="Stop a challenger's evaluation at an interim look (eval.looks) and promote it when its "

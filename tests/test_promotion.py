@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,7 +12,7 @@ from evertrain.config import PromotionConfig
 from evertrain.data.store import now
 from evertrain.runtime import get_runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
-from evertrain.tasks.promote import decide, rollback
+from evertrain.tasks.promote import _consecutive_failures, ahead, decide, rollback
 from tests.conftest import smoke_config_in
 
 
@@ -149,3 +151,36 @@ def test_trainee_is_reset_to_the_champion_after_failed_gates(tmp_path, models_di
     for stage in ("curate", "rollout"):
         run_stage(rt, stage, 2, STAGE_FUNCTIONS[stage])
     assert set(rt.store.query("SELECT policy_version FROM rollouts WHERE iteration = 2")["policy_version"]) == {1}
+
+
+def test_a_refusal_for_want_of_evidence_does_not_count_toward_a_reset(tmp_path, models_dir):
+    """A challenger ahead of the champion but short of the confidence (the demo's seed 2: +0.04 and +0.06 on
+    the gate, P(better) 0.80 and 0.89, sealed gain +0.13) is not a reason to throw the trainee away; one that
+    is behind, or regressed on an environment, is."""
+    config = smoke_config_in(tmp_path, models_dir, name="ahead", environments=[{"name": "digits", "weight": 1}],
+                             promotion={"reset_after_failures": 2, "max_regression": 0.05})
+    rt = get_runtime(config)
+    rule = rt.config.promotion
+    short = decide(_paired([1.0] * 18 + [0.0] * 82, [1.0] * 12 + [0.0] * 88), PromotionConfig(confidence=0.999), 1)
+    assert not short["promoted"] and "P(better)" in short["reason"]
+    assert ahead(0.18, 0.12, short["per_env"], rule)
+    assert not ahead(0.10, 0.12, {"digits": {"challenger": 0.10, "champion": 0.12, "problems": 100}}, rule)
+    regressed = {"a": {"challenger": 0.9, "champion": 0.2, "problems": 50},
+                 "b": {"challenger": 0.1, "champion": 0.3, "problems": 50}}
+    assert not ahead(0.5, 0.25, regressed, rule)  # ahead overall, but b dropped by 0.2
+
+    def gate(iteration: int, challenger: float, champion: float) -> None:
+        per_env = {"digits": {"challenger": challenger, "champion": champion, "problems": 100}}
+        rt.store.replace("promotions", {"campaign": rt.campaign, "iteration": iteration}, [{
+            "campaign": rt.campaign, "iteration": iteration, "challenger_version": iteration + 2,
+            "champion_version": 1, "promoted": False, "challenger_pass1": challenger, "champion_pass1": champion,
+            "p_better": 0.85, "gain_low": -0.02, "gain_high": 0.14, "per_env": json.dumps(per_env),
+            "reason": "kept champion", "reset_trainee": False, "decided_at": now()}])
+
+    gate(0, 0.16, 0.12)
+    gate(1, 0.18, 0.12)
+    assert _consecutive_failures(rt, 2) == 0  # two refusals, both ahead: no reset due
+    gate(1, 0.10, 0.12)
+    assert _consecutive_failures(rt, 2) == 1
+    gate(0, 0.12, 0.12)  # a tie is not ahead
+    assert _consecutive_failures(rt, 2) == 2
