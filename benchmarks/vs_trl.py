@@ -26,12 +26,18 @@ with a 95% bootstrap interval over problems; per system: the mean gain over seed
 bootstrap over seeds and problems, and held-out points per CPU-hour (100 x mean gain / mean CPU-hours all
 in). The bar: evertrain's points per CPU-hour at least 2x TRL's.
 
-    .venv/bin/python benchmarks/vs_trl.py                       # seeds 0,1,2; about 100 CPU-minutes here
+Two schedules: ``--schedule short`` (the default) is the demo's first gated cycle, two iterations (both with
+the warm start) and one gate at the end (``eval.every=2``), about 6.5 CPU-minutes a seed on a 2-core AMD
+EPYC; ``--schedule demo`` is the demo's six iterations, gated at iterations 2 and 5.
+
+    .venv/bin/python benchmarks/vs_trl.py                       # seeds 0,1,2, short schedule; about 35 min here
+    .venv/bin/python benchmarks/vs_trl.py --schedule demo --results-name vs_trl_demo_schedule  # 6 iterations
     .venv/bin/python benchmarks/vs_trl.py --seeds 0 --curve     # one seed, every checkpoint evaluated
     .venv/bin/python benchmarks/vs_trl.py --quick --model tiny  # plumbing only: a tiny model, minutes
-    .venv/bin/python benchmarks/vs_trl.py --set eval.every=6 --results-name vs_trl_every6  # a variant, filed apart
+    .venv/bin/python benchmarks/vs_trl.py --set update.epochs=1 --results-name vs_trl_epochs1  # a variant, filed apart
+    .venv/bin/python benchmarks/vs_trl.py --pool vs_trl_a,vs_trl_b --results-name vs_trl_ab  # pool other seeds' runs
 
-Writes benchmarks/results/vs_trl.json and benchmarks/results/vs_trl.png.
+Writes benchmarks/results/vs_trl.json and benchmarks/results/vs_trl.png (``--results-name``: another name).
 """
 
 from __future__ import annotations
@@ -641,14 +647,92 @@ def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: d
     return out
 
 
+SAME_SETTINGS = ("iterations", "eval_problems", "eval_dtype", "learning_rate_both", "model", "matched_budget",
+                 "group_size", "max_new_tokens", "temperature")
+
+
+def settings_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The settings that make two results files' runs incomparable (empty: they may be pooled or resumed)."""
+    differ = [k for k in SAME_SETTINGS if old.get(k) != new.get(k)]
+    if old["evertrain"].get("settings_changed", []) != new["evertrain"].get("settings_changed", []):
+        differ.append("--set")
+    return differ
+
+
+def pool(names: list[str], results_name: str) -> dict[str, Any]:
+    """Pool the runs of several results files made with the same settings (other seeds: a replication) into
+    ``results_name``, with the summary and the bar recomputed over every seed."""
+    from benchmarks.common import RESULTS
+
+    files = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
+    first = files[0]
+    runs: list[dict[str, Any]] = []
+    for name, data in zip(names, files, strict=True):
+        differ = settings_differ(first["settings"], data["settings"])
+        if differ:
+            raise SystemExit(f"--pool: {name} was made with other settings than {names[0]} ({', '.join(differ)})")
+        if data["base"]["passed"] != first["base"]["passed"] or \
+                data["base_transfer"]["passed"] != first["base_transfer"]["passed"]:
+            raise SystemExit(f"--pool: {name}'s base model answered the sealed problems differently than in "
+                             f"{names[0]}: another model or other problems")
+        for run in data["runs"]:
+            if any((r["system"], r["seed"]) == (run["system"], run["seed"]) for r in runs):
+                raise SystemExit(f"--pool: {run['system']} seed {run['seed']} is in more than one file")
+            runs.append({**run, "from": name})
+    seeds = sorted({r["seed"] for r in runs})
+    payload = {"pooled_from": {name: {"command": d["command"], "date": d["date"], "machine": d["machine"],
+                                      "contention": d.get("contention")} for name, d in zip(names, files, strict=True)},
+               "settings": {**first["settings"], "seeds": seeds}, "runs": runs,
+               "failures": [f for d in files for f in d.get("failures", [])],
+               "base": first["base"], "base_transfer": first["base_transfer"]}
+    payload["summary"] = aggregate(runs, first["base"], first["base_transfer"])
+    return payload
+
+
+def print_summary(payload: dict[str, Any]) -> None:
+    """The per-seed table, the means and the bar, as the benchmark prints them."""
+    from benchmarks.common import print_table
+
+    rows = [{"system": r["system"], "seed": r["seed"], "output": r["output"], "CPU-min all in": r["cpu_min"],
+             "sealed test pass@1": f"{r['pass1_before']:.3f} -> {r['pass1_after']:.3f}",
+             "gain [95% CI]": fmt_gain(r["gain"], r["gain_ci"]),
+             "transfer gain [95% CI]": fmt_gain(r["transfer_gain"], r["transfer_gain_ci"]),
+             "points/CPU-hour": r["points_per_cpu_hour"]} for r in payload["runs"]]
+    for system, agg in payload["summary"].items():
+        if system == "bar":
+            continue
+        rows.append({"system": system, "seed": "mean", "output": f"{len(agg['seeds'])} seeds",
+                     "CPU-min all in": agg["cpu_min_mean"], "sealed test pass@1": "",
+                     "gain [95% CI]": fmt_gain(agg["gain"], agg["gain_ci"]),
+                     "transfer gain [95% CI]": fmt_gain(agg["transfer_gain"], agg["transfer_gain_ci"]),
+                     "points/CPU-hour": agg["points_per_cpu_hour"]})
+    if rows:
+        print_table(rows, list(rows[0]))
+    if "bar" in payload["summary"]:
+        b = payload["summary"]["bar"]
+        ratio = "n/a (TRL gained nothing)" if b["ratio"] is None else f"{b['ratio']:.2f}x"
+        print(f"bar (evertrain points/CPU-hour all in >= 2x TRL's): {b['evertrain_points_per_cpu_hour']:.1f} vs "
+              f"{b['trl_points_per_cpu_hour']:.1f} ({ratio}, P(>= 2x) = {b['p_evertrain_at_least_2x']:.2f}): "
+              f"{'met' if b['met'] else 'NOT met'}")
+        pooled = b.get("sealed_set_ratio")
+        print("for information, the whole sealed set (test and transfer pooled): evertrain "
+              f"{payload['summary']['evertrain']['sealed_set_points_per_cpu_hour']:.1f} vs TRL "
+              f"{payload['summary']['trl']['sealed_set_points_per_cpu_hour']:.1f} points/CPU-hour "
+              f"({'n/a' if pooled is None else f'{pooled:.2f}x'})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default=None, help="comma-separated seeds, one run of each system per seed "
                         "(default 0,1,2; --quick: 0)")
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)  # a worker's one seed
+    parser.add_argument("--schedule", choices=("short", "demo"), default="short",
+                        help="evertrain's schedule: short (default), the demo's first gated cycle, 2 iterations "
+                        "gated once at the end (eval.every=2); demo, the demo's 6 iterations gated every 3rd")
     parser.add_argument("--iterations", type=int, default=None,
                         help="evertrain runs this many campaign iterations and TRL then gets the CPU evertrain "
-                        "spent all in, seed by seed (default 6, the demo's; 0: both stop at --cpu-minutes)")
+                        "spent all in, seed by seed (default: the schedule's, 2 or 6; 0: both stop at "
+                        "--cpu-minutes)")
     parser.add_argument("--cpu-minutes", type=float, default=None,
                         help="with --iterations 0: the CPU budget of each system, all in (default 12; --quick: 1)")
     parser.add_argument("--eval-problems", type=int, default=None,
@@ -675,14 +759,35 @@ def main() -> None:
     parser.add_argument("--results-name", default=RESULTS_NAME,
                         help="write benchmarks/results/<name>.json and .png (default vs_trl)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep the runs (and base evaluations) already in benchmarks/results/vs_trl.json, made "
+                        help="keep the runs (and base evaluations) already in the --results-name file, made "
                         "with the same settings, and run only the missing (system, seed) pairs")
+    parser.add_argument("--pool", metavar="NAME,NAME,...",
+                        help="run nothing: pool the runs of these results files (benchmarks/results/<name>.json, "
+                        "made with the same settings on other seeds, e.g. a replication) into --results-name, the "
+                        "means and the bar recomputed over every seed")
     parser.add_argument("--scratch", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pool:
+        from benchmarks.common import RESULTS, save
+
+        if args.results_name in args.pool.split(","):
+            parser.error("--pool: --results-name must name a new file, not one of the pooled ones")
+        payload = pool(args.pool.split(","), args.results_name)
+        print_summary(payload)
+        png = RESULTS / f"{args.results_name}.png"
+        plot(png, payload["runs"], payload["base"], payload["settings"]["eval_problems"])
+        payload["plot"] = str(png.relative_to(ROOT))
+        save(args.results_name, payload)
+        log(f"saved benchmarks/results/{args.results_name}.json ({len(payload['runs'])} runs pooled)")
+        return
+    # the short schedule is the demo's first gated cycle: two iterations (both warm-started), one gate at the end
+    if args.schedule == "short" and not args.worker and \
+            not any(item.split("=", 1)[0].strip() == "eval.every" for item in args.set or []):
+        args.set = ["eval.every=2", *(args.set or [])]
     if args.iterations is None:
-        args.iterations = 2 if args.quick else 6
+        args.iterations = 2 if args.quick or args.schedule == "short" else 6
     if args.cpu_minutes is None:
         args.cpu_minutes = 1.0 if args.quick else 12.0
     if args.eval_problems is None:
@@ -713,7 +818,7 @@ def main() -> None:
     from evertrain.runtime import quiet_libraries
 
     quiet_libraries()
-    from benchmarks.common import print_table, save
+    from benchmarks.common import save
     from evertrain.models.policy import resolve_base, sampling_dtype, write_base_checkpoint
 
     args.seed = seeds[0]
@@ -725,7 +830,8 @@ def main() -> None:
         + (f"evertrain {args.iterations} iterations, TRL the same all-in CPU" if matched
            else f"budget {args.cpu_minutes:g} CPU-min per system") + f"; {args.eval_problems} sealed problems")
     settings = {
-        **shared_settings(config), "seeds": seeds, "iterations": args.iterations, "matched_budget": matched,
+        **shared_settings(config), "seeds": seeds, "schedule": args.schedule,
+        "iterations": args.iterations, "matched_budget": matched,
         "cpu_minutes": None if matched else args.cpu_minutes, "max_completions": args.max_completions,
         "eval_problems": args.eval_problems, "eval_dtype": args.eval_dtype, "eval_decoding": "greedy",
         "eval_splits": "the arithmetic environment's sealed test and transfer splits (the same problems for every "
@@ -769,11 +875,7 @@ def main() -> None:
         from benchmarks.common import RESULTS
 
         old = json.loads((RESULTS / f"{args.results_name}.json").read_text())
-        same = ("iterations", "eval_problems", "eval_dtype", "learning_rate_both", "model", "matched_budget",
-                "group_size", "max_new_tokens", "temperature")
-        differ = [k for k in same if old["settings"].get(k) != settings.get(k)]
-        if old["settings"]["evertrain"].get("settings_changed", []) != settings["evertrain"]["settings_changed"]:
-            differ.append("--set")
+        differ = settings_differ(old["settings"], settings)
         if differ:
             parser.error(f"--resume: the saved results were made with other settings ({', '.join(differ)})")
         payload["runs"] = [r for r in old["runs"] if r["seed"] in seeds]
@@ -813,32 +915,7 @@ def main() -> None:
     payload["summary"] = aggregate(payload["runs"], base, base_transfer)
     checkpoint_save()
 
-    rows = [{"system": r["system"], "seed": r["seed"], "output": r["output"], "CPU-min all in": r["cpu_min"],
-             "sealed test pass@1": f"{r['pass1_before']:.3f} -> {r['pass1_after']:.3f}",
-             "gain [95% CI]": fmt_gain(r["gain"], r["gain_ci"]),
-             "transfer gain [95% CI]": fmt_gain(r["transfer_gain"], r["transfer_gain_ci"]),
-             "points/CPU-hour": r["points_per_cpu_hour"]} for r in payload["runs"]]
-    for system, agg in payload["summary"].items():
-        if system == "bar":
-            continue
-        rows.append({"system": system, "seed": "mean", "output": f"{len(agg['seeds'])} seeds",
-                     "CPU-min all in": agg["cpu_min_mean"], "sealed test pass@1": "",
-                     "gain [95% CI]": fmt_gain(agg["gain"], agg["gain_ci"]),
-                     "transfer gain [95% CI]": fmt_gain(agg["transfer_gain"], agg["transfer_gain_ci"]),
-                     "points/CPU-hour": agg["points_per_cpu_hour"]})
-    if rows:
-        print_table(rows, list(rows[0]))
-    if "bar" in payload["summary"]:
-        b = payload["summary"]["bar"]
-        ratio = "n/a (TRL gained nothing)" if b["ratio"] is None else f"{b['ratio']:.2f}x"
-        print(f"bar (evertrain points/CPU-hour all in >= 2x TRL's): {b['evertrain_points_per_cpu_hour']:.1f} vs "
-              f"{b['trl_points_per_cpu_hour']:.1f} ({ratio}, P(>= 2x) = {b['p_evertrain_at_least_2x']:.2f}): "
-              f"{'met' if b['met'] else 'NOT met'}")
-        pooled = b.get("sealed_set_ratio")
-        print("for information, the whole sealed set (test and transfer pooled): evertrain "
-              f"{payload['summary']['evertrain']['sealed_set_points_per_cpu_hour']:.1f} vs TRL "
-              f"{payload['summary']['trl']['sealed_set_points_per_cpu_hour']:.1f} points/CPU-hour "
-              f"({'n/a' if pooled is None else f'{pooled:.2f}x'})")
+    print_summary(payload)
     for failure in payload["failures"]:
         print(f"FAILED: {failure['system']} seed {failure['seed']}: {failure['error']}")
     if payload["runs"]:
