@@ -331,15 +331,25 @@ for k in kids:
     assert record.exit_code == 0 and record.cpu_s >= 1.1
 
 
-def test_each_run_gets_its_own_cgroup_and_it_is_removed() -> None:
+def test_each_run_gets_its_own_cgroup_and_it_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
     from evertrain.sandbox import cgroup
 
     backend = cgroup.backend()
     if backend is None:
         pytest.skip("no writable cgroup here: the tree watcher stands in (tested above)")
-    before = {path for base in backend.bases.values() for path in base.glob("evertrain-*")}
+    made: list[cgroup.Group] = []
+    create = cgroup.Group.create
+
+    def recording(backend: cgroup.Backend, memory_mb: int, nproc: int) -> cgroup.Group:
+        made.append(create(backend, memory_mb, nproc))
+        return made[-1]
+
+    # this run's own groups, by name: other processes' sandboxes (a parallel test run) come and go meanwhile
+    monkeypatch.setattr(cgroup.Group, "create", staticmethod(recording))
     record = run_python("import os; print(open('/proc/self/cgroup').read())")
     assert record.exit_code == 0
+    paths = [path for group in made for path in group.dirs.values()]
+    assert made and all(path.name.startswith("evertrain-") for path in paths)
+    assert len({group.dirs["pids"].name for group in made}) == len(made)  # one group per sandboxed process
     cgroup.drain()  # groups are removed by a background thread, off the grade's critical path
-    after = {path for base in backend.bases.values() for path in base.glob("evertrain-*")}
-    assert after <= before  # removed (runs of other tests may come and go meanwhile)
+    assert not any(path.exists() for path in paths)
