@@ -659,9 +659,9 @@ def settings_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return differ
 
 
-def pool(names: list[str], results_name: str) -> dict[str, Any]:
-    """Pool the runs of several results files made with the same settings (other seeds: a replication) into
-    ``results_name``, with the summary and the bar recomputed over every seed."""
+def pool(names: list[str]) -> dict[str, Any]:
+    """The runs of several results files made with the same settings (other seeds: a replication), pooled,
+    with the summary and the bar recomputed over every seed."""
     from benchmarks.common import RESULTS
 
     files = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
@@ -774,7 +774,7 @@ def main() -> None:
 
         if args.results_name in args.pool.split(","):
             parser.error("--pool: --results-name must name a new file, not one of the pooled ones")
-        payload = pool(args.pool.split(","), args.results_name)
+        payload = pool(args.pool.split(","))
         print_summary(payload)
         png = RESULTS / f"{args.results_name}.png"
         plot(png, payload["runs"], payload["base"], payload["settings"]["eval_problems"])

@@ -34,7 +34,7 @@ def test_pooled_seeds_recompute_the_means_and_the_bar(tmp_path, monkeypatch):
     monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
     _write(tmp_path, "a", [_run("evertrain", 0, "1110", 6.0), _run("trl", 0, "1100", 6.0)])
     _write(tmp_path, "b", [_run("evertrain", 1, "1111", 6.0), _run("trl", 1, "1000", 6.0)])
-    pooled = vs_trl.pool(["a", "b"], "ab")
+    pooled = vs_trl.pool(["a", "b"])
     assert pooled["settings"]["seeds"] == [0, 1] and len(pooled["runs"]) == 4
     summary = pooled["summary"]
     # evertrain gains +0.50 and +0.75 (mean +0.625), TRL +0.25 and 0 (mean +0.125), all in 6 CPU-minutes
@@ -48,11 +48,11 @@ def test_runs_made_otherwise_are_not_pooled(tmp_path, monkeypatch):
     _write(tmp_path, "a", [_run("evertrain", 0, "1110", 6.0)])
     _write(tmp_path, "six", [_run("evertrain", 1, "1110", 12.0)], iterations=6)
     with pytest.raises(SystemExit, match=r"other settings.*iterations"):
-        vs_trl.pool(["a", "six"], "x")
+        vs_trl.pool(["a", "six"])
     _write(tmp_path, "again", [_run("evertrain", 0, "1111", 6.0)])
     with pytest.raises(SystemExit, match="evertrain seed 0 is in more than one file"):
-        vs_trl.pool(["a", "again"], "x")
+        vs_trl.pool(["a", "again"])
     _write(tmp_path, "tweaked", [_run("evertrain", 2, "1111", 6.0)],
            evertrain={"settings_changed": ["eval.every=3"]})
     with pytest.raises(SystemExit, match="--set"):
-        vs_trl.pool(["a", "tweaked"], "x")
+        vs_trl.pool(["a", "tweaked"])
