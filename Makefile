@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_ITERATIONS ?= 6
 # pytest-xdist workers (one test file each at a time); 0, the default, runs the suite in one process. On the
-# 2-core development machine the suite is CPU-bound: 2 workers took 22 min against about 25 in one process.
+# 2-core development machine 2 workers took 22 min, one process 25-30 min (see README, Tests).
 TEST_WORKERS ?= 0
 
 export PREFECT_HOME := $(CURDIR)/.prefect
