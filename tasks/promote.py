@@ -52,8 +52,7 @@ def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int, boundary: floa
               "problems": len(g)}
         for env, g in frame.groupby("env")
     }
-    regressed = {env: v["champion"] - v["challenger"] for env, v in per_env.items()
-                 if v["champion"] - v["challenger"] > rule.max_regression}
+    regressed = regressions(per_env, rule)
     if regressed:
         worst = max(regressed, key=regressed.get)
         promoted = False
@@ -75,14 +74,19 @@ def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int, boundary: floa
     return {"promoted": promoted, "reason": reason, "per_env": per_env, **test}
 
 
+def regressions(per_env: dict[str, Any], rule: PromotionConfig) -> dict[str, float]:
+    """The environments on which the challenger dropped by more than ``max_regression``, with the drop."""
+    return {env: v["champion"] - v["challenger"] for env, v in per_env.items()
+            if v["champion"] - v["challenger"] > rule.max_regression}
+
+
 def ahead(challenger_pass1: float, champion_pass1: float, per_env: dict[str, Any], rule: PromotionConfig) -> bool:
     """A refused challenger that was ahead: its gain exceeded ``min_gain`` and no environment regressed beyond
     ``max_regression``, so it was kept out only for want of evidence (P(better) or the boundary). Such a
     gate does not count toward ``reset_after_failures``: resetting would throw away a trainee that, by the
     gate's best estimate, is better than the champion (in a 6-iteration demo run here, seed 2, two such
     refusals, P(better) 0.80 and 0.89, reset a trainee whose sealed test gain was +0.13)."""
-    regressed = any(v["champion"] - v["challenger"] > rule.max_regression for v in per_env.values())
-    return challenger_pass1 - champion_pass1 > rule.min_gain and not regressed
+    return challenger_pass1 - champion_pass1 > rule.min_gain and not regressions(per_env, rule)
 
 
 def _consecutive_failures(rt: Runtime, iteration: int) -> int:
