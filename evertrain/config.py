@@ -172,9 +172,11 @@ class GenerationConfig(_Strict):
 class LoraConfig(_Strict):
     """Low-rank adapters (peft): a few MB per model version instead of a full copy."""
 
-    rank: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(16, ge=1, description="Rank r of each adapter's low-rank matrices (more: more capacity, "
+                      "larger versions).")
+    alpha: int = Field(32, ge=1, description="LoRA scaling: the adapter's update is multiplied by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during the update (must be "
+                           "0 with update.processes > 1: each process would draw other masks).")
     target_modules: str | list[str] = Field("all-linear", description="peft target_modules.")
 
 
@@ -189,7 +191,7 @@ class UpdateConfig(_Strict):
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters (default) or all weights.")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     learning_rate: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (0: none).")
     epochs: int = Field(1, ge=1, description="Passes over the iteration's rollouts.")
     minibatch_size: int = Field(32, ge=1, description="Completions per optimizer step.")
     microbatch_size: int = Field(16, ge=1, description="Completions per forward/backward pass.")
@@ -206,7 +208,8 @@ class UpdateConfig(_Strict):
     overlong: Literal["keep", "mask", "penalty"] | None = Field(
         None, description="Completions cut by the token limit: 'mask' leaves them out of the loss, 'penalty' "
         "gives them reward -1 in their group, 'keep' trains on them as scored (default: mask for dapo, else keep).")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this global L2 norm per "
+                                 "optimizer step.")
     skip_zero_variance: bool = Field(True, description="Do not train on groups whose rewards all agree.")
     dynamic_sampling_draws: int | None = Field(
         None, ge=0, le=32, description="DAPO's dynamic sampling, bounded: when the score stage finds groups whose "
@@ -307,7 +310,8 @@ class PromotionConfig(_Strict):
     )
     min_gain: float = Field(0.0, ge=0, description="Required gain in mean held-out pass@1.")
     max_regression: float = Field(0.05, ge=0, le=1, description="Largest allowed drop on any one environment.")
-    bootstrap_samples: int = Field(2000, ge=100)
+    bootstrap_samples: int = Field(2000, ge=100, description="Resamples of the paired bootstrap (problems "
+                                   "resampled within each environment) behind P(better) and the gain's interval.")
     reset_after_failures: int = Field(
         0, ge=0, description="Reset the trainee to the champion after this many failed gates in a row (0: never); "
         "a refusal of a challenger that was ahead (gain above min_gain, no environment regressed) does not count."

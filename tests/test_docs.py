@@ -1,0 +1,155 @@
+"""The docs: a short README, a site that builds clean, references that list everything the code has."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, Field
+
+from evertrain import docs_reference
+from evertrain.cli import build_parser
+from evertrain.config import CampaignConfig
+from evertrain.data.store import SCHEMA, TABLES, _columns_from_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+# folders that name one machine: a README that shows them works only there
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:work|home|Users|root|tmp|mnt|opt|srv|var|scratch|data)/")
+
+
+def _walk(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object, type[BaseModel] | None]]:
+    """Every (dotted path, FieldInfo, held section model) of a pydantic model, independently of the renderer."""
+    found = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        held = None
+        stack = [annotation]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                held = item
+            stack.extend(getattr(item, "__args__", ()))
+        found.append((prefix + name, info, held))
+        if held is not None:
+            found.extend(_walk(held, f"{prefix}{name}."))
+    return found
+
+
+def test_every_config_field_has_a_description() -> None:
+    missing = [path for path, info, held in _walk(CampaignConfig)
+               if not (info.description or "").strip() and not (held is not None and (held.__doc__ or "").strip())]
+    assert not missing, f"config fields without description= (a section needs a class docstring): {missing}"
+
+
+def test_config_reference_lists_every_field_with_type_default_and_description() -> None:
+    page = docs_reference.config_reference()
+    fields = _walk(CampaignConfig)
+    assert len(fields) > 90
+    for path, info, held in fields:
+        if held is not None:
+            continue
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{path}` |")), None)
+        assert row is not None, f"config reference has no row for {path}"
+        description = " ".join((info.description or "").split())
+        assert description[:40].replace("|", "\\|") in row, f"{path}: description missing from {row!r}"
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert len(cells) == 4 and cells[1] and cells[2].strip("`"), f"{path}: type or default missing: {row!r}"
+        assert cells[3].strip(), f"{path}: no description in {row!r}"
+
+
+def test_config_reference_catches_an_undocumented_field() -> None:
+    class Section(BaseModel):
+        """A section."""
+
+        documented: int = Field(1, description="Has one.")
+        bare: int = 2
+
+    class Top(BaseModel):
+        section: Section = Field(default_factory=Section)
+
+    fields = {f.path: f for f in docs_reference.config_fields(Top)}
+    assert fields["section.documented"].description == "Has one."
+    assert fields["section.bare"].description == ""
+    assert fields["section"].description == "A section."
+
+
+def test_config_reference_shows_defaults_without_the_builders_environment(monkeypatch) -> None:
+    monkeypatch.setenv("EVERTRAIN_STORE", "ducklake:postgres:dbname=secret host=builder")
+    page = docs_reference.config_reference()
+    assert "builder" not in page
+    assert '`"ducklake:sqlite:data/evertrain.sqlite"`' in page
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_cli_reference_lists_every_command_and_option() -> None:
+    page = docs_reference.cli_reference()
+    subs = _subcommands(build_parser())
+    assert {"run", "stage", "report", "sql", "export", "ui"} <= set(subs)
+    for name, sub in subs.items():
+        assert f"\n## {name}\n" in page, f"CLI reference has no section for {name}"
+        section = page.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            label = ", ".join(action.option_strings) if action.option_strings else action.dest
+            assert f"| `{label}` |" in section, f"evertrain {name}: {label} missing from the CLI reference"
+
+
+def test_store_reference_lists_every_table_and_column() -> None:
+    page = docs_reference.store_reference()
+    for table, columns in _columns_from_schema(SCHEMA).items():
+        assert f"\n## {table}\n" in page, f"store reference has no section for {table}"
+        section = page.split(f"\n## {table}\n", 1)[1].split("\n## ", 1)[0]
+        for column, kind in columns:
+            assert f"| `{column}` | `{kind}` |" in section, f"{table}.{column} missing from the store reference"
+    assert set(TABLES) <= set(_columns_from_schema(SCHEMA))
+
+
+def test_benchmark_reference_renders_every_results_file(tmp_path) -> None:
+    (tmp_path / "one.json").write_text('{"command": "python benchmarks/one.py", "machine": {"cpu": "X", "cores": 2},'
+                                       ' "rows": [{"mode": "a", "wall_s": 1.5}, {"mode": "b", "wall_s": 2.25}]}')
+    page = docs_reference.benchmark_reference(tmp_path)
+    assert "`python benchmarks/one.py`" in page and "cpu X, cores 2" in page
+    assert "| a | 1.5 |" in page and "| b | 2.25 |" in page
+    real = docs_reference.benchmark_reference()
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        assert f"\n## {path.stem}\n" in real
+
+
+def test_readme_is_short_and_names_no_machine() -> None:
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200)"
+    found = [line for line in lines if MACHINE_PATH.search(line)]
+    assert not found, f"README.md shows machine-specific paths: {found}"
+    for target in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_mkdocs_build_strict_is_clean(tmp_path) -> None:
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
+    assert mkdocs, "mkdocs is not installed: `make setup` installs the docs extra (pip install -e '.[docs]')"
+    result = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    for page in ("reference/config", "reference/cli", "reference/store", "reference/benchmark-results"):
+        assert (tmp_path / "site" / page / "index.html").exists(), f"{page} was not built"
+    built = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
+    assert "update.lora.rank" in built
+
+
+@pytest.mark.parametrize("page", sorted(docs_reference.PAGES))
+def test_generated_pages_are_written(tmp_path, page) -> None:
+    docs_reference.write_reference(tmp_path)
+    assert (tmp_path / page).read_text().startswith("# ")
