@@ -204,11 +204,25 @@ def _parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def _subparsers(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every command, nested ones included as "parent child" (a command may have subcommands of its own)."""
+    found: dict[str, argparse.ArgumentParser] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+            for name, sub in action.choices.items():
+                found[prefix + name] = sub
+                found.update(_subparsers(sub, f"{prefix}{name} "))
+    return found
+
+
+def _command_helps(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, str]:
+    helps: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps.update({prefix + choice.dest: choice.help or "" for choice in action._choices_actions})
+            for name, sub in action.choices.items():
+                helps.update(_command_helps(sub, f"{prefix}{name} "))
+    return helps
 
 
 def _arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -230,20 +244,17 @@ def _argument_value(action: argparse.Action) -> str:
     return kind or "text"
 
 
-def cli_reference() -> str:
+def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
     """The command-line reference: every subcommand, its usage, arguments, defaults and help."""
-    parser = _parser()
-    helps = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help for choice in action._choices_actions}
+    parser = parser or _parser()
+    helps = _command_helps(parser)
     out = ["# Command-line reference\n", GENERATED_NOTE,
            "Every command prints `evertrain: error: ...` and exits with status 2 on bad input (a config field, a "
            "model path, a data file, a store held by another process), and writes nothing when it does. "
            "`evertrain COMMAND --help` prints the same as below.\n",
            "| command | what it does |", "| --- | --- |"]
     subs = _subparsers(parser)
-    out += [f"| [`{name}`](#{name}) | {_cell(helps.get(name) or '')} |" for name in subs]
+    out += [f"| [`{name}`](#{_anchor(name)}) | {_cell(helps.get(name) or '')} |" for name in subs]
     out.append("")
     with _columns(100):
         for name, sub in subs.items():
@@ -270,6 +281,11 @@ def cli_reference() -> str:
                 out.append(f"| `{_argument_name(action)}` | {_cell(_argument_value(action))} | {default} | {text} |")
             out.append("")
     return "\n".join(out)
+
+
+def _anchor(heading: str) -> str:
+    """The id MkDocs gives a heading (lower case, spaces as '-')."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).strip().replace(" ", "-")
 
 
 @contextmanager

@@ -86,9 +86,14 @@ def test_config_reference_shows_defaults_without_the_builders_environment(monkey
     assert '`"ducklake:sqlite:data/evertrain.sqlite"`' in page
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+def _subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[prefix + name] = sub
+                found.update(_subcommands(sub, f"{prefix}{name} "))
+    return found
 
 
 def test_cli_reference_lists_every_command_and_option() -> None:
@@ -99,10 +104,24 @@ def test_cli_reference_lists_every_command_and_option() -> None:
         assert f"\n## {name}\n" in page, f"CLI reference has no section for {name}"
         section = page.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
         for action in sub._actions:
-            if isinstance(action, argparse._HelpAction):
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
                 continue
             label = ", ".join(action.option_strings) if action.option_strings else action.dest
             assert f"| `{label}` |" in section, f"evertrain {name}: {label} missing from the CLI reference"
+
+
+def test_cli_reference_lists_nested_subcommands() -> None:
+    parser = argparse.ArgumentParser(prog="evertrain")
+    sub = parser.add_subparsers(dest="command")
+    endpoint = sub.add_parser("endpoint", help="serve a model")
+    actions = endpoint.add_subparsers(dest="action")
+    start = actions.add_parser("start", help="start it")
+    start.add_argument("--port", type=int, default=8000, help="where")
+    commands = docs_reference.cli_commands(parser)
+    assert commands["endpoint start"] == ["--port"]
+    page = docs_reference.cli_reference(parser)
+    assert "\n## endpoint start\n" in page and "| `--port` | int | `8000` | where |" in page
+    assert "[`endpoint start`](#endpoint-start)" in page
 
 
 def test_store_reference_lists_every_table_and_column() -> None:
