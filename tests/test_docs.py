@@ -57,7 +57,8 @@ def test_config_reference_lists_every_field_with_type_default_and_description() 
         row = next((line for line in page.splitlines() if line.startswith(f"| `{path}` |")), None)
         assert row is not None, f"config reference has no row for {path}"
         description = " ".join((info.description or "").split())
-        assert description[:40].replace("|", "\\|") in row, f"{path}: description missing from {row!r}"
+        shown = description[:40].replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        assert shown in row, f"{path}: description missing from {row!r}"
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
         assert len(cells) == 4 and cells[1] and cells[2].strip("`"), f"{path}: type or default missing: {row!r}"
         assert cells[3].strip(), f"{path}: no description in {row!r}"
