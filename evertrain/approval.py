@@ -254,11 +254,19 @@ def waiting(campaign: str, iteration: int | None = None) -> dict[str, Any]:
 def answer(campaign: str, approve: bool, reason: str = "", reviewer: str | None = None,
            iteration: int | None = None) -> dict[str, Any]:
     """Resume the campaign's paused promotion with a reviewer's answer, as the Prefect UI's form does."""
+    from prefect.exceptions import FlowPauseTimeout, NotPausedError
     from prefect.flow_runs import resume_flow_run
 
     run = waiting(campaign, iteration)
     who = reviewer or getpass.getuser()
-    resume_flow_run(run["flow_run_id"], run_input={"approve": approve, "reviewer": who, "reason": reason})
+    try:
+        resume_flow_run(run["flow_run_id"], run_input={"approve": approve, "reviewer": who, "reason": reason})
+    except FlowPauseTimeout as error:
+        raise ApprovalError(f"too late: the wait of iteration {run['iteration']} timed out, which rejected the "
+                            "challenger") from error
+    except (NotPausedError, RuntimeError) as error:  # answered meanwhile, or the server refused the input
+        raise ApprovalError(f"iteration {run['iteration']} of campaign {campaign!r} could not be resumed: "
+                            f"{error}") from error
     return {**run, "approve": approve, "reviewer": who, "reason": reason}
 
 

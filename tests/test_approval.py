@@ -33,6 +33,8 @@ def _reviewer(campaign: str, stop: threading.Event, seen: dict) -> None:
             if iteration == 0 and 0 not in seen:
                 seen[0] = main(["reject", "--campaign", campaign, "--reviewer", "bob", "--reason", "too risky"])
             elif iteration == 2 and 2 not in seen:
+                # the form's description, read back from the Prefect server (what the UI shows), as a page
+                seen["html"] = main(["approve", "--campaign", campaign, "--html", str(seen["page"])])
                 try:  # the form is typed: an answer without a reviewer is refused by the server
                     resume_flow_run(run["flow_run_id"], run_input={"approve": True})
                 except RuntimeError as error:
@@ -51,13 +53,13 @@ def approved_campaign(tmp_path_factory, models_dir, prefect_server):
 
     config = smoke_config_in(
         tmp_path_factory.mktemp("approval"), models_dir, name="approval",
-        environments=[{"name": "digits", "weight": 1}], problems_per_iteration=4, group_size=8,
+        environments=[{"name": "digits", "weight": 1}], problems_per_iteration=8, group_size=8,
         eval={"problems_per_env": 16},
-        update={"learning_rate": 1e-2, "finetune": "full", "minibatch_size": 32, "microbatch_size": 32, "epochs": 1},
+        update={"learning_rate": 1e-2, "finetune": "full", "minibatch_size": 32, "microbatch_size": 32, "epochs": 2},
         promotion={"confidence": 0.5, "bootstrap_samples": 200, "max_regression": 1.0,
                    "approval": "required", "approval_timeout_s": TIMEOUT_S},
     )
-    stop, seen = threading.Event(), {}
+    stop, seen = threading.Event(), {"page": tmp_path_factory.mktemp("form") / "approval.html"}
     reviewer = threading.Thread(target=_reviewer, args=(config.name, stop, seen), daemon=True)
     reviewer.start()
     try:
@@ -118,10 +120,10 @@ def test_reject_from_the_command_line(approved_campaign):
 
 
 def test_approval_form_renders_in_chromium(approved_campaign, tmp_path):
-    """The form's description (the evidence Markdown), rendered as an HTML page in headless Chromium.
+    """The form's description, as the Prefect server holds it for the paused run, rendered in headless Chromium.
 
-    The Prefect test server runs without its UI (PREFECT_UI_ENABLED=0), so this renders the same Markdown with
-    `evertrain approve --html`'s page, not the Prefect UI itself."""
+    The Prefect test server runs without its UI (PREFECT_UI_ENABLED=0), so this renders the same Markdown as
+    `evertrain approve --html` writes it (CommonMark with tables), not the Prefect UI's own page."""
     import shutil
     import subprocess
 
@@ -132,9 +134,9 @@ def test_approval_form_renders_in_chromium(approved_campaign, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    _, _, _, _, approvals, _ = approved_campaign
-    page = tmp_path / "approval.html"
-    page.write_text(approval_page(approvals.loc[2, "evidence"]))
+    _, _, _, seen, approvals, _ = approved_campaign
+    page = seen["page"]
+    assert seen["html"] == 0 and page.read_text() == approval_page(approvals.loc[2, "evidence"])
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={tmp_path / 'profile'}"]
