@@ -234,6 +234,9 @@ def waiting(campaign: str, iteration: int | None = None) -> dict[str, Any]:
     from prefect.input.run_input import keyset_from_paused_state
     from prefect.settings import PREFECT_API_URL
 
+    if not PREFECT_API_URL.value():  # else Prefect starts a throwaway server of its own, which holds no paused run
+        raise ApprovalError("PREFECT_API_URL is not set: point it at the Prefect server the campaign runs on "
+                            "(e.g. http://127.0.0.1:4200/api, the server `evertrain ui` starts)")
     runs = paused_promotions(campaign)
     if iteration is not None:
         runs = [r for r in runs if r["iteration"] == iteration]
@@ -241,7 +244,7 @@ def waiting(campaign: str, iteration: int | None = None) -> dict[str, Any]:
         where = f" iteration {iteration} of" if iteration is not None else ""
         raise ApprovalError(
             f"no promotion of{where} campaign {campaign!r} is waiting for approval on the Prefect server at "
-            f"{PREFECT_API_URL.value() or '(none: PREFECT_API_URL is not set)'} "
+            f"{PREFECT_API_URL.value()} "
             "(`evertrain sql \"SELECT * FROM approvals\"` lists the decisions so far)")
     if len(runs) > 1:
         raise ApprovalError(f"{len(runs)} promotions of campaign {campaign!r} wait for approval (iterations "
