@@ -554,7 +554,46 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--prefect-port", type=int, default=4200)
     ui.add_argument("--mlflow-port", type=int, default=5000)
     ui.set_defaults(func=cmd_ui)
+
+    for verb, what in (("approve", "promote"), ("reject", "keep the champion instead of")):
+        answer = sub.add_parser(verb, help=f"{what} the challenger of a promotion waiting for approval "
+                                "(promotion.approval = 'required'), through the Prefect API")
+        answer.add_argument("--campaign", required=True)
+        answer.add_argument("--reason", default="", help="why (recorded in the approvals table and MLflow)")
+        answer.add_argument("--reviewer", help="who decides (default: the login name)")
+        answer.add_argument("--iteration", type=int, help="which iteration, when several wait")
+        answer.add_argument("--show", action="store_true", help="print the evidence the form shows; answer nothing")
+        answer.add_argument("--html", metavar="FILE", help="write the evidence as an HTML page; answer nothing")
+        answer.set_defaults(func=cmd_approve if verb == "approve" else cmd_reject)
     return parser
+
+
+def _answer(args: argparse.Namespace, approve: bool) -> int:
+    from evertrain.approval import ApprovalError, answer, approval_page, waiting
+
+    try:
+        if args.show or args.html:
+            run = waiting(args.campaign, args.iteration)
+            if args.html:
+                Path(args.html).write_text(approval_page(run["evidence"]))
+            if args.show:
+                print(run["evidence"])
+            return 0
+        done = answer(args.campaign, approve, args.reason, args.reviewer, args.iteration)
+    except ApprovalError as error:
+        print(f"evertrain: error: {error}", file=sys.stderr)
+        return 2
+    print(f"campaign {args.campaign!r}, iteration {done['iteration']}: {'approved' if approve else 'rejected'} by "
+          f"{done['reviewer']}; flow run {done['name']} resumes")
+    return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    return _answer(args, True)
+
+
+def cmd_reject(args: argparse.Namespace) -> int:
+    return _answer(args, False)
 
 
 def main(argv: list[str] | None = None) -> int:

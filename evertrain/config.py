@@ -324,6 +324,14 @@ class PromotionConfig(_Strict):
         0.05, ge=0, lt=1, description="Stop evaluating a challenger at an interim look (eval.looks) when "
         "P(not worse) on the problems so far is below this, and keep the champion (0: never stop early). Stopping "
         "can only reject, so it never raises the chance of promoting a worse model.")
+    approval: Literal["auto", "required"] = Field(
+        "auto", description="'auto': a challenger that passes the gate becomes champion at once. 'required': the "
+        "promote stage pauses its Prefect flow run with a form showing the gate's evidence, and the challenger is "
+        "promoted only when a person approves (Prefect UI, or `evertrain approve --campaign C`); a rejection or "
+        "no answer within approval_timeout_s keeps the champion. Nothing trains while it waits.")
+    approval_timeout_s: float = Field(
+        86400.0, gt=0, description="Seconds the promote stage waits for an approval (approval = 'required') "
+        "before it rejects the challenger and the campaign goes on with the champion.")
 
     @model_validator(mode="after")
     def _futility_below_confidence(self) -> PromotionConfig:

@@ -22,6 +22,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from evertrain.approval import request_approval
 from evertrain.config import CampaignConfig, PromotionConfig
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.runtime import Runtime, get_runtime, seed_for
@@ -184,6 +185,8 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         decision.update(promoted=False, reason=(
             f"kept champion: evaluation stopped for futility after {len(scores)} of {total} problems "
             f"(gain {decision['gain']:+.3f}, P(not worse) = {decision['p_not_worse']:.3f})"))
+    # a person confirms what the gate passed (promotion.approval = "required"): the flow run pauses here
+    decision = request_approval(rt, iteration, decision, scores, challenger, champion)
 
     challenger_pass1, champion_pass1 = float(scores["challenger"].mean()), float(scores["champion"].mean())
     counted = not decision["promoted"] and not ahead(challenger_pass1, champion_pass1, decision["per_env"], rule)

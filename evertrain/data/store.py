@@ -142,10 +142,19 @@ CREATE TABLE IF NOT EXISTS sandbox_runs (
     wall_s DOUBLE, cpu_s DOUBLE, peak_rss_kb BIGINT, stdout_bytes BIGINT, stderr_bytes BIGINT,
     limit_hit VARCHAR, started_at TIMESTAMPTZ
 );
+
+CREATE TABLE IF NOT EXISTS approvals (    -- a person's answer to a promotion the gate passed (promotion.approval)
+    campaign VARCHAR, iteration INTEGER, challenger_version INTEGER, champion_version INTEGER,
+    decision VARCHAR,  -- pending, approved, rejected or timeout (no answer within promotion.approval_timeout_s)
+    reviewer VARCHAR, reason VARCHAR, requested_at TIMESTAMPTZ, decided_at TIMESTAMPTZ, waited_s DOUBLE,
+    flow_run_id VARCHAR, evidence VARCHAR,  -- the Markdown the reviewer was shown
+    PRIMARY KEY (campaign, iteration)
+);
 """
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
-          "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples")
+          "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples",
+          "approvals")
 
 
 def _keys_from_schema(schema: str) -> dict[str, tuple[str, ...]]:

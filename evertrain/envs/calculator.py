@@ -9,11 +9,18 @@ nothing and a ``####`` inside a call earns nothing).
 Problems are generated from a seed: train problems from the seed, held-out problems from a fixed
 pool seed, and any train problem that collides with a held-out one is dropped (ids are content
 hashes). Options: ``digits`` (the sizes of the operands, default [3, 5]), ``ops`` (default ``+ - *``),
-``eval_pool`` (held-out pool size, default 500).
+``eval_pool`` (held-out pool size, default 500), ``tool_version`` (default 1).
+
+``tool_version = 2`` is the same task behind a changed tool interface, as a deployed tool changes under a
+trained agent: the ``python`` tool is gone, and a ``calc`` tool takes JSON with named arguments,
+``<calc>{"operation": "multiply", "x": 3841, "y": 5127}</calc>``. The arithmetic still runs in the same
+bubblewrap sandbox and the final answer is graded by the same rule, so a v1 episode (a ``<python>`` call)
+makes no call at all under v2 and earns 0. The problems (and their ids) are the same in both versions.
 """
 
 from __future__ import annotations
 
+import json
 import operator
 import random
 from functools import cached_property
@@ -21,10 +28,38 @@ from typing import Any, ClassVar
 
 from evertrain.envs.answers import MathEnvironment
 from evertrain.envs.base import Problem, Split, Tool
-from evertrain.envs.tools import Message, PythonTool, ToolCall, ToolEnvironment
+from evertrain.envs.tools import Message, PythonTool, ToolCall, ToolEnvironment, ToolOutput
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _POOL_SEED = 15_015
+
+
+_OPERATIONS = {"add": "+", "subtract": "-", "multiply": "*"}  # tool v2's names for the operators
+
+
+class CalcTool(PythonTool):
+    """Tool version 2: JSON with named arguments in, the result out, computed in the Python sandbox."""
+
+    name: ClassVar[str] = "calc"
+    description: ClassVar[str] = (
+        'Arithmetic on two integers. Input: JSON {"operation": "add" | "subtract" | "multiply", "x": <integer>, '
+        '"y": <integer>}. Replies with the result.')
+    usage: ClassVar[str] = 'calc: the input must be JSON like {"operation": "multiply", "x": 3841, "y": 5127}'
+
+    def run(self, call: str, problem: Problem) -> ToolOutput:
+        """Never raises on what ``call`` holds: a malformed call replies with what is wrong, as an error."""
+        try:
+            args = json.loads(call)
+        except ValueError:
+            return ToolOutput(output=self.usage, error=True)
+        if not isinstance(args, dict) or set(args) != {"operation", "x", "y"}:
+            return ToolOutput(output=f"{self.usage} (keys operation, x, y)", error=True)
+        if args["operation"] not in _OPERATIONS:
+            return ToolOutput(output=f"calc: operation must be one of {', '.join(_OPERATIONS)}", error=True)
+        if not all(type(args[k]) is int for k in ("x", "y")):
+            return ToolOutput(output="calc: x and y must be integers", error=True)
+        # validated integers and an operator from the table: the program below is exactly one expression
+        return super().run(f"{args['x']} {_OPERATIONS[args['operation']]} {args['y']}", problem)
 
 
 class Calculator(ToolEnvironment, MathEnvironment):
@@ -47,9 +82,28 @@ class Calculator(ToolEnvironment, MathEnvironment):
         {"role": "assistant", "content": "#### 19692807"},
     )
 
+    v2_system_prompt: ClassVar[str] = (
+        "Answer the arithmetic question. The numbers are large, so use the calc tool: write its JSON input, "
+        '{"operation": "add", "subtract" or "multiply", "x": ..., "y": ...}, between <calc> and </calc> and stop. '
+        "Its result comes back in the next message. Then give the final answer on the last line as '#### <number>'."
+    )
+    v2_worked_example: ClassVar[tuple[Message, ...]] = (
+        {"role": "user", "content": "What is 3841 * 5127?"},
+        {"role": "assistant", "content": '<calc>\n{"operation": "multiply", "x": 3841, "y": 5127}\n</calc>'},
+        {"role": "tool", "content": "19692807"},
+        {"role": "assistant", "content": "#### 19692807"},
+    )
+
     def __init__(self, digits: list[int] | None = None, ops: list[str] | None = None, eval_pool: int = 500,
-                 **options: Any) -> None:
+                 tool_version: int = 1, **options: Any) -> None:
         super().__init__(**options)
+        if tool_version not in (1, 2):
+            raise ValueError(f"calculator: tool_version must be 1 (python tool) or 2 (calc tool), got {tool_version}")
+        self.tool_version = tool_version
+        if tool_version == 2:  # instance attributes shadow the class's v1 interface
+            self.tools = {"calc": CalcTool()}
+            self.system_prompt = self.v2_system_prompt
+            self.worked_example = self.v2_worked_example
         self.digits = list(digits or [3, 5])
         if len(self.digits) != 2 or not 1 <= self.digits[0] <= self.digits[1] <= 30:
             raise ValueError(f"calculator: digits must be [low, high] with 1 <= low <= high <= 30, got {digits}")
@@ -98,4 +152,7 @@ class Calculator(ToolEnvironment, MathEnvironment):
 
     def reference_calls(self, problem: Problem) -> list[ToolCall]:
         p = problem.payload
+        if self.tool_version == 2:
+            operation = {v: k for k, v in _OPERATIONS.items()}[p["op"]]
+            return [ToolCall("calc", json.dumps({"operation": operation, "x": p["a"], "y": p["b"]}))]
         return [ToolCall("python", f"{p['a']} {p['op']} {p['b']}")]

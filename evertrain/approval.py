@@ -1,0 +1,288 @@
+"""A person approves each promotion (``promotion.approval = "required"``).
+
+After the gate has passed a challenger, the promote stage pauses its Prefect flow run (the iteration's)
+with :func:`prefect.flow_runs.pause_flow_run` and a typed input form, :class:`ApprovalInput`, whose
+description is the gate's evidence in Markdown (:func:`evidence_markdown`). A reviewer answers in the
+Prefect UI, or with ``evertrain approve|reject --campaign C``, which resumes the paused run with the same
+input through the same API the UI calls (:func:`answer`). No answer within ``promotion.approval_timeout_s``
+rejects. Each answer (who, when, why, and the evidence shown) is a row of the ``approvals`` table and
+tags on the iteration's MLflow run.
+
+While it waits the campaign is paused: the pause is a blocking one, so the process that runs the campaign
+keeps its memory and nothing trains, samples or evaluates until the answer. Training on while a promotion
+waits would let the next iteration's challenger overtake the one under review and leave the reviewer
+judging a stale model; a blocking pause also needs no deployment to resume (a suspended flow run, which
+frees the process, can only be resumed by a worker re-running a deployment).
+"""
+
+from __future__ import annotations
+
+import getpass
+import math
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from prefect.input import RunInput
+from pydantic import Field
+
+from evertrain.config import ConfigError
+from evertrain.data.store import now
+
+POLL_S = 2  # how often the paused stage asks the Prefect server whether it was resumed (one small GET)
+EXAMPLES = 3  # completions of champion and challenger shown side by side
+EXAMPLE_CHARS = 400
+
+
+class ApprovalError(ConfigError):
+    """Approval cannot happen here: no flow run to pause, or no paused promotion to answer."""
+
+
+class ApprovalInput(RunInput):
+    """The reviewer's answer to a promotion the gate passed (the form in the Prefect UI)."""
+
+    approve: bool = Field(description="Tick to promote the challenger; leave unticked to keep the champion.")
+    reviewer: str = Field(min_length=1, description="Who decides (recorded in the approvals table and MLflow).")
+    reason: str = Field("", description="Why (recorded beside the decision).")
+
+
+def _cell(text: Any) -> str:
+    """``text`` as an inline code span that survives a Markdown table cell (pipes escaped, one line)."""
+    text = str(text if text is not None else "")
+    if len(text) > EXAMPLE_CHARS:
+        text = text[:EXAMPLE_CHARS] + " …"
+    text = text.replace("\r", "").replace("\n", " ⏎ ").replace("|", "\\|")
+    longest = max((len(r) for r in "".join(c if c == "`" else " " for c in text).split()), default=0)
+    fence = "`" * (longest + 1)
+    return f"{fence} {text} {fence}" if text.strip() else "(empty)"
+
+
+def _env_gains(scores: pd.DataFrame, seed: int, samples: int = 2000) -> list[dict[str, Any]]:
+    """Per environment: pass@1 of champion and challenger on the gate's paired problems, and the gain with a
+    95% paired bootstrap interval (resampling problems)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for env, group in scores.groupby("env"):
+        diff = (group["challenger"] - group["champion"]).to_numpy(dtype=float)
+        boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
+        rows.append({"env": env, "problems": len(diff), "champion": float(group["champion"].mean()),
+                     "challenger": float(group["challenger"].mean()), "gain": float(diff.mean()),
+                     "low": float(np.quantile(boot, 0.025)), "high": float(np.quantile(boot, 0.975))})
+    return rows
+
+
+def _sealed_lines(rt: Any) -> list[str]:
+    from evertrain.report import champion_vs_base
+
+    rows = [r for r in champion_vs_base(rt.store, rt.campaign) if r["split"] != "gate"]
+    lines = ["#### Sealed splits (so far: base model and current champion)", ""]
+    if not rows:
+        lines.append("No sealed results yet (no sealed problems configured, or no champion measured on them).")
+    else:
+        lines += ["| environment | split | base | champion | gain | 95% interval | problems |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['env']} | {r['split']} | v{r['base_version']} {r['base_pass1']:.3f} | "
+                  f"v{r['champion_version']} {r['champion_pass1']:.3f} | {r['gain']:+.3f} | "
+                  f"[{r['gain_low']:+.3f}, {r['gain_high']:+.3f}] | {r['problems']} |" for r in rows]
+    lines += ["", "The challenger is measured on the sealed splits only after it is promoted: no decision, this "
+              "one included, looks at them.", ""]
+    return lines
+
+
+def _example_lines(rt: Any, iteration: int, challenger: int, champion: int) -> list[str]:
+    """A few gate problems with both models' answers, those where they differ first (challenger ahead first)."""
+    rows = rt.store.query(
+        """SELECT problem_id, env, model_version, completion, reward FROM evals WHERE campaign = ? AND iteration = ?
+           AND sample = 0 AND coalesce(split, 'gate') = 'gate' AND model_version IN (?, ?)""",
+        [rt.campaign, iteration, challenger, champion])
+    if rows.empty:
+        return []
+    wide = rows.pivot_table(index=["problem_id", "env"], columns="model_version",
+                            values=["completion", "reward"], aggfunc="first").dropna()
+    if wide.empty or challenger == champion:
+        return []
+    margin = wide[("reward", challenger)].astype(float) - wide[("reward", champion)].astype(float)
+    order = sorted(range(len(wide)), key=lambda i: (-abs(margin.iloc[i]) if margin.iloc[i] else 1, -margin.iloc[i]))
+    lines = ["#### Completions side by side (the gate's problems)", ""]
+    for i in order[:EXAMPLES]:
+        (problem_id, env), row = wide.index[i], wide.iloc[i]
+        lines += [f"**{env}**, problem `{problem_id}`", "",
+                  f"| | champion v{champion} | challenger v{challenger} |", "|---|---|---|",
+                  f"| reward | {float(row[('reward', champion)]):.2f} | {float(row[('reward', challenger)]):.2f} |",
+                  f"| completion | {_cell(row[('completion', champion)])} | {_cell(row[('completion', challenger)])} |",
+                  ""]
+    return lines
+
+
+def evidence_markdown(rt: Any, iteration: int, decision: dict[str, Any], scores: pd.DataFrame,
+                      challenger: int, champion: int) -> str:
+    """What the reviewer sees: the gate's verdict and numbers, per-environment gains with intervals, the sealed
+    results so far, and a few completions of champion and challenger side by side."""
+    lines = [f"### Promote challenger v{challenger} over champion v{champion}?",
+             f"Campaign `{rt.campaign}`, iteration {iteration}. The gate passed the challenger: "
+             f"{decision['reason']}", "",
+             "| gain (pass@1) | 95% interval | P(better) | problems |", "|---|---|---|---|",
+             f"| {decision['gain']:+.3f} | [{decision['gain_low']:+.3f}, {decision['gain_high']:+.3f}] | "
+             f"{decision['p_better']:.3f} | {len(scores)} |", "",
+             "#### Per environment (the gate's problems)", "",
+             "| environment | problems | champion | challenger | gain | 95% interval |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['env']} | {r['problems']} | {r['champion']:.3f} | {r['challenger']:.3f} | {r['gain']:+.3f} | "
+              f"[{r['low']:+.3f}, {r['high']:+.3f}] |" for r in _env_gains(scores, rt.config.seed + iteration)]
+    lines.append("")
+    lines += _sealed_lines(rt)
+    lines += _example_lines(rt, iteration, challenger, champion)
+    timeout = rt.config.promotion.approval_timeout_s
+    lines += [f"Approve or reject here, or run `evertrain approve --campaign {rt.campaign} --reason ...` (or "
+              f"`evertrain reject ...`). With no answer within {timeout:g} s the challenger is rejected."]
+    return "\n".join(lines)
+
+
+def _record(rt: Any, iteration: int, row: dict[str, Any]) -> None:
+    rt.store.replace("approvals", {"campaign": rt.campaign, "iteration": iteration},
+                     [{"campaign": rt.campaign, "iteration": iteration, **row}])
+
+
+def _resume_after_timeout(flow_run_id: str) -> None:
+    """Pause timed out: the server holds the run Paused past its deadline and refuses a plain resume, so set it
+    Running by force; the stage then records the rejection and the campaign goes on with the champion."""
+    from prefect import get_client
+    from prefect.states import Running
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Running(), force=True)
+
+
+def _publish(rt: Any, iteration: int, evidence: str) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    key = f"{rt.campaign}-iteration-{iteration}-approval".lower().replace("_", "-")
+    create_markdown_artifact(evidence, key=key, description=f"Approval requested, iteration {iteration}")
+
+
+def request_approval(rt: Any, iteration: int, decision: dict[str, Any], scores: pd.DataFrame,
+                     challenger: int, champion: int) -> dict[str, Any]:
+    """The promote stage's step after the gate: with ``promotion.approval = "required"`` and a passed gate, wait
+    for a person's answer; a rejection or a timeout turns the decision into 'kept champion'."""
+    if rt.config.promotion.approval != "required" or not decision["promoted"]:
+        return decision
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import pause_flow_run
+
+    from evertrain.tasks.base import current_flow_run_id
+
+    flow_run_id = current_flow_run_id()
+    if flow_run_id is None:
+        raise ApprovalError(
+            f"promotion.approval = 'required': iteration {iteration}'s challenger v{challenger} passed the gate, "
+            "but this promote stage runs outside a Prefect flow, so it has no flow run to pause for a reviewer. "
+            "Run the iteration as a flow (`evertrain run`) and answer with `evertrain approve|reject --campaign "
+            f"{rt.campaign}`, or set promotion.approval = 'auto' (e.g. --set promotion.approval=auto).")
+    evidence = evidence_markdown(rt, iteration, decision, scores, challenger, champion)
+    requested, began = now(), time.monotonic()
+    base = {"challenger_version": challenger, "champion_version": champion, "requested_at": requested,
+            "flow_run_id": str(flow_run_id), "evidence": evidence}
+    _record(rt, iteration, {**base, "decision": "pending", "reviewer": None, "reason": None, "decided_at": None,
+                            "waited_s": None})
+    _publish(rt, iteration, evidence)
+    timeout = max(1, math.ceil(rt.config.promotion.approval_timeout_s))
+    try:
+        answer = pause_flow_run(wait_for_input=ApprovalInput.with_initial_data(description=evidence),
+                                timeout=timeout, poll_interval=min(POLL_S, timeout), key=f"approval-{iteration}")
+    except FlowPauseTimeout:
+        answer = None
+        _resume_after_timeout(str(flow_run_id))
+    verdict = "timeout" if answer is None else "approved" if answer.approve else "rejected"
+    reviewer = answer.reviewer if answer is not None else None
+    why = answer.reason if answer is not None else f"no answer within {timeout} s"
+    _record(rt, iteration, {**base, "decision": verdict, "reviewer": reviewer, "reason": why, "decided_at": now(),
+                            "waited_s": time.monotonic() - began})
+    rt.tracker.set_tags(rt.tracker.run_id(iteration), {
+        "approval.decision": verdict, "approval.reviewer": reviewer or "", "approval.reason": why,
+        "approval.requested_at": requested.isoformat(), "approval.decided_at": now().isoformat()})
+    gate = decision["reason"]
+    if verdict == "approved":
+        return {**decision, "reason": f"{gate}; approved by {reviewer}" + (f": {why}" if why else "")}
+    said = f"rejected by {reviewer}" + (f": {why}" if why else "") if verdict == "rejected" else f"timeout, {why}"
+    return {**decision, "promoted": False, "reason": f"kept champion: {said} (the gate had passed it: {gate})"}
+
+
+def paused_promotions(campaign: str) -> list[dict[str, Any]]:
+    """The campaign's flow runs paused for an approval, on the Prefect server this process talks to."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    paused = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED])))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=paused)
+    found = []
+    for run in runs:
+        config = run.parameters.get("config")
+        name = config.get("name") if isinstance(config, dict) else getattr(config, "name", None)
+        key = str(run.state.state_details.pause_key or "") if run.state else ""
+        if name == campaign and key.startswith("approval-"):
+            found.append({"flow_run_id": run.id, "iteration": run.parameters.get("iteration"), "name": run.name,
+                          "state": run.state})
+    return sorted(found, key=lambda r: (r["iteration"] is None, r["iteration"]))
+
+
+def waiting(campaign: str, iteration: int | None = None) -> dict[str, Any]:
+    """The campaign's one promotion waiting for approval (``iteration``: when several wait), with the evidence
+    its form shows; a clear error when there is none."""
+    from prefect.input.actions import read_flow_run_input
+    from prefect.input.run_input import keyset_from_paused_state
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # else Prefect starts a throwaway server of its own, which holds no paused run
+        raise ApprovalError("PREFECT_API_URL is not set: point it at the Prefect server the campaign runs on "
+                            "(e.g. http://127.0.0.1:4200/api, the server `evertrain ui` starts)")
+    runs = paused_promotions(campaign)
+    if iteration is not None:
+        runs = [r for r in runs if r["iteration"] == iteration]
+    if not runs:
+        where = f" iteration {iteration} of" if iteration is not None else ""
+        raise ApprovalError(
+            f"no promotion of{where} campaign {campaign!r} is waiting for approval on the Prefect server at "
+            f"{PREFECT_API_URL.value()} "
+            "(`evertrain sql \"SELECT * FROM approvals\"` lists the decisions so far)")
+    if len(runs) > 1:
+        raise ApprovalError(f"{len(runs)} promotions of campaign {campaign!r} wait for approval (iterations "
+                            f"{', '.join(str(r['iteration']) for r in runs)}): choose one with --iteration")
+    run = runs[0]
+    evidence = read_flow_run_input(keyset_from_paused_state(run["state"])["description"], run["flow_run_id"])
+    return {**run, "evidence": evidence or ""}
+
+
+def answer(campaign: str, approve: bool, reason: str = "", reviewer: str | None = None,
+           iteration: int | None = None) -> dict[str, Any]:
+    """Resume the campaign's paused promotion with a reviewer's answer, as the Prefect UI's form does."""
+    from prefect.exceptions import FlowPauseTimeout, NotPausedError
+    from prefect.flow_runs import resume_flow_run
+
+    run = waiting(campaign, iteration)
+    who = reviewer or getpass.getuser()
+    try:
+        resume_flow_run(run["flow_run_id"], run_input={"approve": approve, "reviewer": who, "reason": reason})
+    except FlowPauseTimeout as error:
+        raise ApprovalError(f"too late: the wait of iteration {run['iteration']} timed out, which rejected the "
+                            "challenger") from error
+    except (NotPausedError, RuntimeError) as error:  # answered meanwhile, or the server refused the input
+        raise ApprovalError(f"iteration {run['iteration']} of campaign {campaign!r} could not be resumed: "
+                            f"{error}") from error
+    return {**run, "approve": approve, "reviewer": who, "reason": reason}
+
+
+def approval_page(evidence: str, title: str = "Promotion waiting for approval") -> str:
+    """The evidence Markdown as a self-contained HTML page (what `evertrain approve --html` writes), rendered
+    with the CommonMark parser plus tables, as the Prefect UI renders a form's description."""
+    import html
+
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(evidence)
+    style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;line-height:1.4}"
+             "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #bbb;padding:4px 8px;"
+             "vertical-align:top}code{white-space:pre-wrap;font-size:90%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{body}</body></html>")
