@@ -55,11 +55,12 @@ def write_spec(path: Path, *, checkpoint: str, groups: list[dict[str, Any]], min
     """A JSON spec of the steps to take: ``groups`` are ``{"prompt", "members": [{"ids", "logprobs",
     "advantage", "loss_mask"}]}`` (a member may add ``"proximal"``: the ratio's anchor, the trainee's log-probs
     before the update; without it the anchor is the current log-probs, right for one step of fresh rollouts;
-    and ``"temperature"``: what it was sampled with, default ``temperature``); ``minibatches`` lists group
-    indices per optimizer step. ``max_completion_length``: Dr.GRPO's constant (default: the minibatch's longest
-    completion); ``reference``: the KL penalty's checkpoint (with ``kl_coef > 0``); ``optimizer_state``: an
-    ``optimizer.pt`` whose AdamW moments to start from; ``cpu``: gloo on the CPU even where GPUs exist
-    (default: GPUs when there are any); ``threads``: torch threads per process."""
+    and ``"temperature"``, ``"top_p"``: what it was sampled with, default ``temperature`` and 1);
+    ``minibatches`` lists group indices per optimizer step. ``max_completion_length``: Dr.GRPO's constant
+    (default: the minibatch's longest completion); ``reference``: the KL penalty's checkpoint (with
+    ``kl_coef > 0``); ``optimizer_state``: an ``optimizer.pt`` whose AdamW moments to start from; ``cpu``:
+    gloo on the CPU even where GPUs exist (default: GPUs when there are any); ``threads``: torch threads per
+    process."""
     path.write_text(json.dumps({
         "checkpoint": checkpoint, "groups": groups, "minibatches": minibatches, "out": out,
         "learning_rate": learning_rate, "microbatch_size": microbatch_size,
@@ -97,13 +98,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     from evertrain.config import LoraConfig
     from evertrain.models.grpo import LogProbs, StepSettings, train_step
-    from evertrain.models.policy import (
-        enable_gradient_checkpointing,
-        load_policy,
-        read_manifest,
-        save_checkpoint,
-        update_precision,
-    )
+    from evertrain.models.policy import enable_gradient_checkpointing, load_policy, update_precision
 
     cpu = spec.get("cpu")
     accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else bool(cpu))
@@ -155,26 +150,35 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         for key, value in step.stats_sum.items():
             stats_sum[key] = stats_sum.get(key, 0.0) + value
     model_seconds = time.perf_counter() - began
-    parts = [{"stats_sum": stats_sum, "is_weights": is_weights}]
     if world > 1:
         total_losses = accelerator.reduce(torch.tensor(losses, dtype=torch.float64, device=accelerator.device),
                                           reduction="sum")
         losses = [float(x) for x in total_losses.tolist()]
-        parts = [{} for _ in range(world)]
-        torch.distributed.all_gather_object(parts, {"stats_sum": stats_sum, "is_weights": is_weights})
+    report = {"losses": losses, "processes": world, "grad_norms": grad_norms, "model_s": model_seconds}
+    _write_out(spec, accelerator, model, optimizer, report, {"stats_sum": stats_sum, "is_weights": is_weights})
+    return {"losses": losses, "processes": world}
+
+
+def _write_out(spec: dict[str, Any], accelerator: Any, model: Any, optimizer: torch.optim.Optimizer,
+               report: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Process 0 writes the checkpoint, the optimizer state and the report, with every process's statistics."""
+    from evertrain.models.policy import read_manifest, save_checkpoint
+
+    parts = [mine]
+    if accelerator.num_processes > 1:
+        parts = [{} for _ in range(accelerator.num_processes)]
+        torch.distributed.all_gather_object(parts, mine)
     if accelerator.is_main_process:
         out = Path(spec["out"])
         save_checkpoint(model, out, read_manifest(spec["checkpoint"])["base_model"])
         torch.save(optimizer.state_dict(), out / "optimizer.pt")
         total: dict[str, float] = {}
-        for part_stats in parts:
-            for key, value in part_stats["stats_sum"].items():
+        for part in parts:
+            for key, value in part["stats_sum"].items():
                 total[key] = total.get(key, 0.0) + value
         (out / REPORT).write_text(json.dumps({
-            "losses": losses, "processes": world, "grad_norms": grad_norms, "stats_sum": total,
-            "is_weights": [w for part_stats in parts for w in part_stats["is_weights"]], "model_s": model_seconds}))
+            **report, "stats_sum": total, "is_weights": [w for part in parts for w in part["is_weights"]]}))
     accelerator.wait_for_everyone()
-    return {"losses": losses, "processes": world}
 
 
 def launch(spec_path: Path, processes: int, *, cpu: bool, threads: int | None = None,

@@ -11,8 +11,14 @@
    against the stored sampling (behaviour) log-probs. Stale rollouts need it (without such a correction,
    asynchronous GRPO is known to collapse); fresh ones need it too, because the sampler is not the
    trainer: a vLLM engine, or bfloat16 sampling, gives other log-probs than the float32 update. The
-   sampler/trainer mismatch is logged per iteration (``mismatch_kl``, ``is_clipped_share``).
+   sampler/trainer mismatch is logged per iteration (``mismatch_kl``, ``is_clipped_share``). Every
+   log-prob is recomputed under the temperature and nucleus (top-p) its rollout was sampled with, the
+   KL reference's too (chunked and under autocast like the policy's): the distribution the behaviour
+   log-probs are of. One optimizer step is :func:`evertrain.models.grpo.train_step`, here and in the
+   data-parallel processes.
 4. Save the checkpoint, log it to MLflow, register it with alias ``challenger``; it becomes the trainee.
+   AdamW's moments are saved with it, keyed by the content hash of its weights: the next update restores
+   them only when it starts from those weights (not when the sft stage has changed them since).
 
 The starting version is fixed on the first run of the stage (a rerun trains from the same weights).
 
@@ -20,12 +26,13 @@ With ``update.processes = N > 1`` step 3 runs in N data-parallel processes (``ac
 :mod:`evertrain.models.data_parallel`; gloo on the CPU, NCCL on GPUs, one GPU each): the stage gathers the
 groups, computes the proximal log-probs, advantages and minibatch order as with one process, writes them
 to a spec, launches the processes, then loads the checkpoint they wrote and registers it as it would its
-own. Each process takes whole groups of every minibatch and the gradients are summed, so the steps are
-those of one process (up to float rounding: the sums are taken in another order). Everything the update
-does is done the same there: the decoupled objective and its importance weights, per-completion
-temperatures, DAPO's overlong filtering and penalty (they act on the gathered groups), Dr.GRPO's constant
-length, the KL penalty, weight decay, restored AdamW moments, ``precision``, ``logprob_chunk``,
-``gradient_checkpointing``, full fine-tuning and SFT results as the starting point. Refused, naming the
+own. Each process takes whole groups of every minibatch and the gradients are summed (DDP's bucketed
+all-reduce), so the steps are those of one process (up to float rounding: the sums are taken in another
+order). Everything the update does is done the same there: the decoupled objective and its importance
+weights, per-completion temperatures and top-p, DAPO's overlong filtering and penalty (they act on the
+gathered groups), Dr.GRPO's constant length, the KL penalty, weight decay, restored AdamW moments,
+``precision``, ``logprob_chunk``, ``gradient_checkpointing``, full fine-tuning and SFT results as the
+starting point. Refused, naming the
 settings, because N processes could not take the steps one takes:
 
 - ``update.lora.dropout > 0`` (config validation), and a model with any other dropout (stage start):
