@@ -53,7 +53,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -431,8 +431,8 @@ def _train_here(model: Any, optimizer: torch.optim.Optimizer, params: list[torch
                 cfg: UpdateConfig) -> tuple[int, list[float], list[float], list[float], dict[str, float], float]:
     """The schedule's steps in this process: steps, losses, grad norms, importance weights, statistics, seconds."""
     settings = step_settings(cfg, autocast_dtype, pad)
-    settings = StepSettings(**{**settings.__dict__, "chunk": logprob_options.get("chunk", settings.chunk),
-                               "shared_prefix": logprob_options.get("shared_prefix", settings.shared_prefix)})
+    settings = replace(settings, chunk=logprob_options.get("chunk", settings.chunk),
+                       shared_prefix=logprob_options.get("shared_prefix", settings.shared_prefix))
     scorer = LogProbs(model)
     losses, grad_norms, is_weights, stats_sum = [], [], [], {}
     began = time.perf_counter()
