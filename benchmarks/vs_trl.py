@@ -451,13 +451,10 @@ class Evaluator:
 
 
 def bootstrap_ci(values: Any, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
-    """95% percentile bootstrap CI of the mean, resampling problems."""
-    import numpy as np
+    """95% percentile bootstrap CI of the mean, resampling problems (:func:`evertrain.stats.mean_interval`)."""
+    from evertrain.stats import mean_interval
 
-    values = np.asarray(values, dtype=float)
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+    return mean_interval(values, samples=samples, seed=seed)
 
 
 def as_array(record: dict[str, Any]) -> Any:

@@ -405,6 +405,16 @@ class PathsConfig(_Strict):
     checkpoints: str = Field("state/checkpoints", description="Local working copies of trainee checkpoints.")
 
 
+class ScoreConfig(_Strict):
+    """The score stage: grading every rollout with its environment's verifier."""
+
+    max_grader_error_share: float = Field(
+        0.05, ge=0, le=1, description="The score stage fails when more than this share of an iteration's "
+        "completions could not be graded for a reason that is not the completion's (the sandbox or bubblewrap "
+        "missing, a verifier that crashed: reason 'grader_error'), rather than train on their zero rewards. "
+        "Below it they score 0 and the share is recorded as score/grader_error_share.")
+
+
 class CampaignConfig(_Strict):
     """A campaign: a named, never-ending sequence of iterations with one config."""
 
@@ -428,6 +438,7 @@ class CampaignConfig(_Strict):
     prices: PricesConfig = Field(default_factory=PricesConfig)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
 
     @field_validator("name")
     @classmethod

@@ -165,10 +165,9 @@ def current_champion(store: Store, campaign: str) -> int | None:
 def _paired_gains(frame: Any, before: int, after: int, samples: int, seed: int) -> list[dict[str, Any]]:
     """Per environment and split: pass@1 of ``before`` and ``after`` on the problems both answered, and the
     gain with a 95% paired bootstrap interval (resampling problems)."""
-    import numpy as np
+    from evertrain.stats import mean_interval
 
     rows = []
-    rng = np.random.default_rng(seed)
     order = {split: i for i, split in enumerate(SPLIT_LABELS)}
     groups = sorted(frame.groupby(["env", "split"]), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9)))
     for (env, split), part in groups:
@@ -176,11 +175,10 @@ def _paired_gains(frame: Any, before: int, after: int, samples: int, seed: int) 
         if paired.empty or after not in paired or before not in paired:
             continue
         diff = (paired[after] - paired[before]).to_numpy()
-        boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
+        low, high = mean_interval(diff, samples=samples, seed=seed)
         rows.append({"env": env, "split": split, "problems": len(diff),
                      "before_pass1": float(paired[before].mean()), "after_pass1": float(paired[after].mean()),
-                     "gain": float(diff.mean()), "gain_low": float(np.quantile(boot, 0.025)),
-                     "gain_high": float(np.quantile(boot, 0.975))})
+                     "gain": float(diff.mean()), "gain_low": low, "gain_high": high})
     return rows
 
 

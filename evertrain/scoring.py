@@ -7,6 +7,7 @@ cores keeps every core busy; in-process verifiers (math) are cheap and run on th
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,8 +20,21 @@ from evertrain.envs.base import Environment, Problem, Verdict
 MAX_COMPLETION_CHARS = 200_000
 
 
+# Verdicts that say nothing about the completion: its grader could not run (no sandbox, bubblewrap missing,
+# a verifier that crashed). They are scored 0, but counted apart: a worker without a sandbox must not
+# silently train on zeros.
+GRADER_FAULTS = frozenset({"grader_error"})
+
+
+def grader_errors(verdicts: Sequence[Verdict]) -> tuple[int, list[tuple[str, int]]]:
+    """How many ``verdicts`` are grader faults (:data:`GRADER_FAULTS`), and their causes, most frequent first."""
+    causes = Counter(str(v.detail.get("error", v.reason))[:300] for v in verdicts if v.reason in GRADER_FAULTS)
+    return sum(causes.values()), causes.most_common()
+
+
 def verify_safely(env: Environment, problem: Problem, completion: str) -> Verdict:
-    """``env.verify``, with any exception turned into a zero reward that names it."""
+    """``env.verify``, with any exception turned into a zero reward that names it (reason ``grader_error``:
+    the score stage counts these and fails above ``score.max_grader_error_share``)."""
     if len(completion) > MAX_COMPLETION_CHARS:
         return Verdict.fail("completion_too_long", chars=len(completion), limit=MAX_COMPLETION_CHARS)
     try:

@@ -2,17 +2,20 @@
 
 Every process loads the same starting weights (a fresh LoRA adapter is initialised from the same seed),
 takes its share of each minibatch's groups (whole groups: a group's completions share one prompt's KV
-cache), computes its microbatch losses with the normaliser of the *whole* minibatch, and the gradients
-are summed across processes with an all-reduce before one identical optimizer step everywhere. Summing
-(not averaging, as DDP does) is what makes N processes equal one: each local loss is already its share
-of the minibatch loss. Process 0 writes the checkpoint, the optimizer state and the per-step report.
+cache) and runs the update's own step, :func:`evertrain.models.grpo.train_step`, through torch's
+DistributedDataParallel: each pass's loss is normalised by the *whole* minibatch, and the gradients are
+summed across processes by DDP's bucketed all-reduce (a communication hook that sums, where DDP's default
+averages) in the backward of the step's last pass, before one identical optimizer step everywhere.
+Summing is what makes N processes equal one: each local loss is already its share of the minibatch loss.
+Process 0 writes the checkpoint, the optimizer state and the per-step report.
 
 The update stage (``update.processes > 1``, :func:`evertrain.tasks.update.update`) writes the spec and
-launches this module with :func:`launch`; it does the same as the stage's own loop: the ratio's anchor
-is the proximal log-probs the stage computed, each token is weighted by the truncated importance weight
-against the sampler's, per-completion temperatures, Dr.GRPO's constant length, the KL penalty to a
-reference, AdamW weight decay and restored moments, bfloat16 autocast, chunked log-probs and gradient
-checkpointing. What it cannot do the same is refused before launching (see the stage's docstring).
+launches this module with :func:`launch`. The step being the stage's, everything is done the same: the
+ratio's anchor is the proximal log-probs the stage computed, each token is weighted by the truncated
+importance weight against the sampler's, per-completion temperatures and top-p, Dr.GRPO's constant length,
+the KL penalty to a reference, AdamW weight decay and restored moments, bfloat16 autocast, chunked
+log-probs and gradient checkpointing. What it cannot do the same is refused before launching (see the
+stage's docstring).
 
 Run it with a spec written by :func:`write_spec`::
 
@@ -28,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -53,11 +55,12 @@ def write_spec(path: Path, *, checkpoint: str, groups: list[dict[str, Any]], min
     """A JSON spec of the steps to take: ``groups`` are ``{"prompt", "members": [{"ids", "logprobs",
     "advantage", "loss_mask"}]}`` (a member may add ``"proximal"``: the ratio's anchor, the trainee's log-probs
     before the update; without it the anchor is the current log-probs, right for one step of fresh rollouts;
-    and ``"temperature"``: what it was sampled with, default ``temperature``); ``minibatches`` lists group
-    indices per optimizer step. ``max_completion_length``: Dr.GRPO's constant (default: the minibatch's longest
-    completion); ``reference``: the KL penalty's checkpoint (with ``kl_coef > 0``); ``optimizer_state``: an
-    ``optimizer.pt`` whose AdamW moments to start from; ``cpu``: gloo on the CPU even where GPUs exist
-    (default: GPUs when there are any); ``threads``: torch threads per process."""
+    and ``"temperature"``, ``"top_p"``: what it was sampled with, default ``temperature`` and 1);
+    ``minibatches`` lists group indices per optimizer step. ``max_completion_length``: Dr.GRPO's constant
+    (default: the minibatch's longest completion); ``reference``: the KL penalty's checkpoint (with
+    ``kl_coef > 0``); ``optimizer_state``: an ``optimizer.pt`` whose AdamW moments to start from; ``cpu``:
+    gloo on the CPU even where GPUs exist (default: GPUs when there are any); ``threads``: torch threads per
+    process."""
     path.write_text(json.dumps({
         "checkpoint": checkpoint, "groups": groups, "minibatches": minibatches, "out": out,
         "learning_rate": learning_rate, "microbatch_size": microbatch_size,
@@ -70,36 +73,32 @@ def write_spec(path: Path, *, checkpoint: str, groups: list[dict[str, Any]], min
     return path
 
 
-def _micro(groups: list[dict[str, Any]], size: int, max_tokens: int | None = None) -> list[list[dict[str, Any]]]:
-    """The update stage's forward/backward passes (:func:`evertrain.models.grpo.pack_microbatches`)."""
-    from evertrain.models.grpo import pack_microbatches
+def _groups(spec: dict[str, Any]) -> list[Any]:
+    """The spec's groups as the update's :class:`~evertrain.models.grpo.Group` objects."""
+    from evertrain.models.grpo import Group, Member
 
-    return pack_microbatches(groups, size, max_tokens or 2**62, lambda g: g["members"], lambda m: len(m["ids"]),
-                             lambda g, part: {**g, "members": part})
+    default = float(spec.get("temperature", 1.0))
+    return [Group([int(t) for t in g["prompt"]], [
+        Member(ids=m["ids"], logprobs=m["logprobs"], advantage=float(m["advantage"]), loss_mask=m["loss_mask"],
+               proximal=m.get("proximal"), temperature=float(m.get("temperature", default)),
+               top_p=float(m.get("top_p", 1.0))) for m in g["members"]]) for g in spec["groups"]]
 
 
-def _padded(rows: list[list[float]], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    out = torch.zeros(like.shape, dtype=dtype or like.dtype, device=like.device)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=out.dtype, device=out.device)
-    return out
+def _summed(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the hook's annotations: none, or its own
+    """DDP communication hook: gradients summed over the processes (DDP's default averages them). Each
+    process's loss is already its share of the minibatch's, so the sum is the gradient of one process."""
+    del state
+    return torch.distributed.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Take the spec's optimizer steps in this process's share; returns (on every process) the losses."""
     from accelerate import Accelerator
+    from torch.nn.parallel import DistributedDataParallel
 
     from evertrain.config import LoraConfig
-    from evertrain.models.grpo import LossNorm, policy_loss
-    from evertrain.models.policy import (
-        autocast,
-        enable_gradient_checkpointing,
-        grouped_logprobs,
-        load_policy,
-        read_manifest,
-        save_checkpoint,
-        update_precision,
-    )
+    from evertrain.models.grpo import LogProbs, StepSettings, train_step
+    from evertrain.models.policy import enable_gradient_checkpointing, load_policy, update_precision
 
     cpu = spec.get("cpu")
     accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else bool(cpu))
@@ -113,14 +112,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # train mode, as the stage's own loop (what gradient checkpointing needs); dropout would make the
     # processes differ, so the stage refuses a model with any
     model.train()
-    autocast_dtype = update_precision(spec.get("precision", "float32"), accelerator.device)
     checkpointing = bool(spec.get("gradient_checkpointing"))
     if checkpointing:
         enable_gradient_checkpointing(model)
-    options = {"chunk": spec.get("logprob_chunk"), "shared_prefix": not checkpointing}
-    kl_coef = float(spec.get("kl_coef") or 0.0)
+    settings = StepSettings(
+        algorithm=spec["algorithm"], clip_low=spec["clip_low"], clip_high=spec["clip_high"], is_cap=spec["is_cap"],
+        kl_coef=float(spec.get("kl_coef") or 0.0), max_grad_norm=spec["max_grad_norm"],
+        microbatch_size=spec["microbatch_size"], microbatch_tokens=spec.get("microbatch_tokens"),
+        autocast_dtype=update_precision(spec.get("precision", "float32"), accelerator.device),
+        pad_id=tokenizer.pad_token_id, chunk=spec.get("logprob_chunk"), shared_prefix=not checkpointing)
     reference = None
-    if kl_coef > 0:
+    if settings.kl_coef > 0:
         if not spec.get("reference"):
             raise ValueError("kl_coef > 0 needs a reference checkpoint in the spec")
         reference, _ = load_policy(spec["reference"], trainable=False, device=device)
@@ -128,85 +130,55 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(params, lr=spec["learning_rate"], weight_decay=spec.get("weight_decay", 0.0))
     if spec.get("optimizer_state"):
         optimizer.load_state_dict(torch.load(spec["optimizer_state"], weights_only=True))
-    groups, losses, grad_norms, is_weights = spec["groups"], [], [], []
+    scorer: Any = LogProbs(model)
+    if world > 1:
+        # bucketed all-reduce in the backward of each step's last pass (the earlier passes run in no_sync)
+        scorer = DistributedDataParallel(scorer, device_ids=[accelerator.device.index]
+                                         if accelerator.device.type == "cuda" else None, broadcast_buffers=False)
+        scorer.register_comm_hook(None, _summed)
+    groups, losses, grad_norms, is_weights = _groups(spec), [], [], []
     stats_sum: dict[str, float] = {}
     began = time.perf_counter()
     for minibatch in spec["minibatches"]:
         chosen = [groups[i] for i in minibatch]
-        members = [m for g in chosen for m in g["members"]]
-        norm = LossNorm(sequences=len(members), tokens=sum(sum(m["loss_mask"]) for m in members),
-                        max_completion_length=spec.get("max_completion_length")
-                        or max(len(m["ids"]) for m in members))
-        mine = chosen[rank::world]  # whole groups, dealt round-robin
-        optimizer.zero_grad(set_to_none=True)
-        local = torch.zeros((), device=accelerator.device)
-        for micro in _micro(mine, spec["microbatch_size"], spec.get("microbatch_tokens")):
-            part = [m for g in micro for m in g["members"]]
-            prompts = [g["prompt"] for g in micro]
-            completions = [[m["ids"] for m in g["members"]] for g in micro]
-            temperature = torch.tensor([m.get("temperature", spec["temperature"]) for m in part], dtype=torch.float32)
-            with autocast(autocast_dtype, model):
-                logps, mask = grouped_logprobs(model, prompts, completions, temperature=temperature,
-                                               pad_id=tokenizer.pad_token_id, **options)
-            behaviour = _padded([m["logprobs"] for m in part], logps)
-            mask = mask & _padded([m["loss_mask"] for m in part], mask, torch.bool)
-            if all(m.get("proximal") is not None for m in part):
-                anchor = _padded([m["proximal"] for m in part], logps)  # the trainee before this update
-            else:
-                anchor = logps.detach()  # the proximal policy when these are one step of fresh rollouts
-            weights = torch.exp(anchor - behaviour).clamp(max=spec["is_cap"]) * mask
-            is_weights.append(float(weights.sum() / mask.sum().clamp(min=1)))
-            ref_logps = None
-            if reference is not None:
-                with torch.no_grad():
-                    ref_logps, _ = grouped_logprobs(reference, prompts, completions, temperature=temperature,
-                                                    pad_id=tokenizer.pad_token_id)
-            advantages = torch.tensor([m["advantage"] for m in part], dtype=torch.float32, device=logps.device)
-            loss, stats = policy_loss(logps, anchor, advantages, mask, norm, algorithm=spec["algorithm"],
-                                      clip_low=spec["clip_low"], clip_high=spec["clip_high"], ref_logps=ref_logps,
-                                      kl_coef=kl_coef, is_weights=weights)
-            loss.backward()
-            local += loss.detach()
-            for key, value in stats.items():
-                stats_sum[key] = stats_sum.get(key, 0.0) + value * len(part)
-        if world > 1:
-            # a parameter no process computed a gradient for stays without one (AdamW then skips it, as
-            # in one process); a process without groups still takes part, with zero gradients
-            present = torch.tensor([float(p.grad is not None) for p in params], device=accelerator.device)
-            present = accelerator.reduce(present, reduction="sum")
-            for p, anyone in zip(params, present.tolist(), strict=True):
-                if anyone:
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                    p.grad = accelerator.reduce(grad, reduction="sum")
-            local = accelerator.reduce(local, reduction="sum")
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, spec["max_grad_norm"])))
-        optimizer.step()
-        losses.append(float(local))
+        step = train_step(scorer, optimizer, params, chosen, settings, reference=reference,
+                          max_completion_length=spec.get("max_completion_length"),
+                          share=chosen[rank::world])  # whole groups, dealt round-robin
+        losses.append(step.loss)
+        grad_norms.append(step.grad_norm)
+        is_weights += step.is_weights
+        for key, value in step.stats_sum.items():
+            stats_sum[key] = stats_sum.get(key, 0.0) + value
     model_seconds = time.perf_counter() - began
-    parts = [{"stats_sum": stats_sum, "is_weights": is_weights}]
     if world > 1:
-        parts = [{} for _ in range(world)]
-        torch.distributed.all_gather_object(parts, {"stats_sum": stats_sum, "is_weights": is_weights})
+        total_losses = accelerator.reduce(torch.tensor(losses, dtype=torch.float64, device=accelerator.device),
+                                          reduction="sum")
+        losses = [float(x) for x in total_losses.tolist()]
+    report = {"losses": losses, "processes": world, "grad_norms": grad_norms, "model_s": model_seconds}
+    _write_out(spec, accelerator, model, optimizer, report, {"stats_sum": stats_sum, "is_weights": is_weights})
+    return {"losses": losses, "processes": world}
+
+
+def _write_out(spec: dict[str, Any], accelerator: Any, model: Any, optimizer: torch.optim.Optimizer,
+               report: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Process 0 writes the checkpoint, the optimizer state and the report, with every process's statistics."""
+    from evertrain.models.policy import read_manifest, save_checkpoint
+
+    parts = [mine]
+    if accelerator.num_processes > 1:
+        parts = [{} for _ in range(accelerator.num_processes)]
+        torch.distributed.all_gather_object(parts, mine)
     if accelerator.is_main_process:
         out = Path(spec["out"])
         save_checkpoint(model, out, read_manifest(spec["checkpoint"])["base_model"])
         torch.save(optimizer.state_dict(), out / "optimizer.pt")
         total: dict[str, float] = {}
-        for part_stats in parts:
-            for key, value in part_stats["stats_sum"].items():
+        for part in parts:
+            for key, value in part["stats_sum"].items():
                 total[key] = total.get(key, 0.0) + value
         (out / REPORT).write_text(json.dumps({
-            "losses": losses, "processes": world, "grad_norms": grad_norms, "stats_sum": total,
-            "is_weights": [w for part_stats in parts for w in part_stats["is_weights"]], "model_s": model_seconds}))
+            **report, "stats_sum": total, "is_weights": [w for part in parts for w in part["is_weights"]]}))
     accelerator.wait_for_everyone()
-    return {"losses": losses, "processes": world}
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (for the processes' rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def launch(spec_path: Path, processes: int, *, cpu: bool, threads: int | None = None,
@@ -214,6 +186,8 @@ def launch(spec_path: Path, processes: int, *, cpu: bool, threads: int | None = 
     """Run the spec in ``processes`` processes (``accelerate launch --multi_gpu``, one GPU each, or gloo on
     the CPU with ``cpu``) and return process 0's report. Their output goes to ``logs``/stdout.log and
     stderr.log (default: beside the spec); a failed launch raises RuntimeError with the tail of stderr."""
+    from evertrain.services import free_port
+
     spec = json.loads(spec_path.read_text())
     logs = logs or spec_path.parent
     logs.mkdir(parents=True, exist_ok=True)

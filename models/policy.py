@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import threading
 import time
@@ -402,7 +403,7 @@ def _draw_per_group(probs: torch.Tensor, owners: torch.Tensor, generators: list[
 
 
 def grouped_logprobs(model: Any, prompts: list[list[int]], completions: list[list[list[int]]], *,
-                     temperature: float | torch.Tensor = 1.0, pad_id: int = 0, top_p: float = 1.0,
+                     temperature: float | torch.Tensor = 1.0, pad_id: int = 0, top_p: float | torch.Tensor = 1.0,
                      chunk: int | None = None, shared_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of every completion of every group: a [completions, T] tensor and its mask.
 
@@ -412,7 +413,8 @@ def grouped_logprobs(model: Any, prompts: list[list[int]], completions: list[lis
     completions in order, right-padded to T.
 
     ``temperature`` is one number or one per completion (rollouts replayed with the settings they were
-    sampled with); ``top_p < 1`` gives log-probs of the truncated distribution (tokens outside it: -inf).
+    sampled with); so is ``top_p``: below 1 it gives log-probs of the truncated distribution (tokens outside
+    it: -inf).
     With ``chunk``, log-probs are computed from the decoder's hidden states ``chunk`` positions at a
     time (recomputed in the backward pass), so no [rows, T, vocabulary] float32 tensor exists for the
     whole batch: what keeps a 150k-token vocabulary with long completions in memory. ``shared_prefix =
@@ -426,6 +428,8 @@ def grouped_logprobs(model: Any, prompts: list[list[int]], completions: list[lis
     counts = [len(c) for c in completions]
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(device=device, dtype=torch.float32)
+    if isinstance(top_p, torch.Tensor):
+        top_p = top_p.to(device=device, dtype=torch.float32)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(inner, "config", None)
     # logit soft-capping or scaling (Gemma, Cohere) lives in the causal-LM head's forward: keep the full path
@@ -453,18 +457,23 @@ def grouped_logprobs(model: Any, prompts: list[list[int]], completions: list[lis
 
 
 def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor,
-                 top_p: float) -> torch.Tensor:
+                 top_p: float | torch.Tensor) -> torch.Tensor:
     """log p(target) under softmax(logits / temperature), top-p truncated; float32 whatever the model's dtype."""
     if isinstance(temperature, torch.Tensor):  # one per row
         temperature = temperature.view(-1, *([1] * (logits.dim() - 1)))
     scaled = logits.float() / temperature
-    if top_p < 1.0:
+    if isinstance(top_p, torch.Tensor):  # one per row (rollouts replayed with the nucleus they were sampled with)
+        if bool((top_p < 1.0).any()):
+            # a row with top_p = 1 keeps every token, float rounding of the cumulative sum included
+            cut = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, math.inf))
+            scaled = _top_p_filter(scaled, cut.view(-1, *([1] * (logits.dim() - 1))))
+    elif top_p < 1.0:
         scaled = _top_p_filter(scaled, top_p)
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
 def _chunked_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor,
-                      top_p: float, chunk: int) -> torch.Tensor:
+                      top_p: float | torch.Tensor, chunk: int) -> torch.Tensor:
     """``_logprobs_of(head(hidden))`` ``chunk`` positions at a time; under autograd each chunk's logits are
     recomputed in the backward pass instead of kept (activation checkpointing of the head and softmax)."""
     from torch.utils.checkpoint import checkpoint
@@ -482,7 +491,7 @@ def _chunked_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, te
 
 
 def _unshared_logprobs(model: Any, inner: Any, prompts: list[list[int]], counts: list[int], ids: torch.Tensor,
-                       completion_mask: torch.Tensor, temperature: float | torch.Tensor, top_p: float,
+                       completion_mask: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor,
                        chunk: int | None, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """grouped_logprobs without a shared KV cache: each row is its prompt and completion, right-padded."""
     device = ids.device

@@ -50,6 +50,7 @@ from evertrain.envs.base import Problem
 from evertrain.models.policy import encode_chat
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
+from evertrain.stats import bootstrap_means, sequential_boundaries
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -64,15 +65,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def paired_bootstrap(challenger: np.ndarray, champion: np.ndarray, strata: np.ndarray, samples: int,
                      seed: int) -> dict[str, float]:
-    """Gain of challenger over champion on paired per-problem scores, with a stratified bootstrap."""
+    """Gain of challenger over champion on paired per-problem scores, with a bootstrap stratified by ``strata``
+    (:func:`evertrain.stats.bootstrap_means`)."""
     diff = challenger.astype(float) - champion.astype(float)
-    rng = np.random.default_rng(seed)
-    totals = np.zeros(samples)
-    for stratum in np.unique(strata):
-        values = diff[strata == stratum]
-        picks = rng.integers(0, len(values), size=(samples, len(values)))
-        totals += values[picks].sum(axis=1)
-    means = totals / len(diff)
+    means = bootstrap_means(diff, strata, samples, seed)
     return {
         "gain": float(diff.mean()), "p_better": float((means > 0).mean()),
         "p_not_worse": float((means >= 0).mean()),
@@ -107,30 +103,12 @@ def alpha_spent(fraction: float, alpha: float) -> float:
 
 
 @lru_cache(maxsize=64)
-def efficacy_boundaries(fractions: tuple[float, ...], alpha: float, paths: int = 200_000) -> tuple[float, ...]:
+def efficacy_boundaries(fractions: tuple[float, ...], alpha: float) -> tuple[float, ...]:
     """One-sided z boundaries at looks taken at ``fractions`` (increasing, the last 1) that together promote
-    a challenger no better than the champion with probability at most ``alpha``.
-
-    The cumulative z statistics at the looks are those of a Brownian motion observed at the fractions
-    (correlation sqrt(t_i / t_j)); the boundaries are found look by look on simulated paths (fixed seed),
-    each spending alpha_spent(t_j) - alpha_spent(t_{j-1}) among paths that have not crossed yet.
-    """
-    rng = np.random.default_rng(20261130)
-    steps = np.diff((0.0, *fractions))
-    motion = np.cumsum(rng.standard_normal((paths, len(fractions))) * np.sqrt(steps), axis=1)
-    z = motion / np.sqrt(np.asarray(fractions))
-    alive = np.ones(paths, dtype=bool)
-    bounds, spent = [], 0.0
-    for look, fraction in enumerate(fractions):
-        target = alpha_spent(fraction, alpha) if look < len(fractions) - 1 else alpha
-        allowed = int((target - spent) * paths)
-        candidates = np.sort(z[alive, look])[::-1]
-        bound = math.inf if allowed < 1 else float(candidates[min(allowed, len(candidates)) - 1])
-        bounds.append(bound)
-        crossed = alive & (z[:, look] >= bound)
-        spent += crossed.sum() / paths
-        alive &= ~crossed
-    return tuple(bounds)
+    a challenger no better than the champion with probability at most ``alpha``, spending
+    :func:`alpha_spent` of it by each look (:func:`evertrain.stats.sequential_boundaries`: the cumulative z
+    statistics at the looks are those of a Brownian motion observed at the fractions)."""
+    return sequential_boundaries(fractions, alpha, alpha_spent)
 
 
 def generation_key(rt: Runtime, problem: Problem) -> str:

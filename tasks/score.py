@@ -4,6 +4,11 @@ Rewards and verdicts are written onto the rollout rows; sandboxed graders add on
 sandboxed process to ``sandbox_runs``. With DAPO's dynamic sampling (``update.dynamic_sampling_draws``,
 on by default for ``dapo``) the stage then refills the batch with informative groups of fresh problems,
 sampled and graded here (:mod:`evertrain.tasks.dynamic_sampling`); those rows are the stage's own.
+
+A completion whose grader could not run (no sandbox, bubblewrap missing, a verifier crash: reason
+``grader_error``) scores 0, but is not the completion's fault: the share of such verdicts is recorded
+(``grader_error_share``, in ``stage_runs.metrics`` and MLflow), and above ``score.max_grader_error_share``
+the stage fails, naming the share and the causes, before any reward is written.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.runtime import Runtime, get_runtime
-from evertrain.scoring import pop_sandbox_runs
+from evertrain.scoring import grader_errors, pop_sandbox_runs
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -41,6 +46,7 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     with progress(len(items), f"score    i={iteration}", "grade") as bar:
         # in this process, or in Ray tasks (each sandboxed on its node) when the campaign has a cluster
         verdicts, fanout = verify_items(rt.config, rt.env, items, progress=bar)
+    share = check_grader_errors(rt, iteration, verdicts)
     stamp = now()
     audit: list[dict[str, Any]] = []
     for verdict in verdicts:
@@ -61,7 +67,7 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
         "mean_reward": float(frame["reward"].mean()),
         "pass_rate": float(scores["passed"].mean()),
         "zero_variance_share": float((spread == 0).mean()),
-        "sandbox_runs": len(audit), **fanout,
+        "sandbox_runs": len(audit), "grader_error_share": share, **fanout,
     }
     for env, rewards in frame.groupby("env")["reward"]:
         metrics[f"mean_reward_{env}"] = float(rewards.mean())
@@ -74,6 +80,26 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     else:
         drop_refills(rt, iteration)
     return metrics
+
+
+class GraderFailure(RuntimeError):
+    """Too many completions could not be graded for reasons that are not theirs."""
+
+
+def check_grader_errors(rt: Runtime, iteration: int, verdicts: list[Any]) -> float:
+    """The share of ``verdicts`` whose grader failed; GraderFailure (the share, the limit, the causes) when it
+    exceeds ``score.max_grader_error_share``. The share goes to MLflow either way."""
+    failed, causes = grader_errors(verdicts)
+    share = failed / len(verdicts) if verdicts else 0.0
+    limit = rt.config.score.max_grader_error_share
+    if share > limit:
+        rt.tracker.log_metrics(rt.tracker.run_id(iteration), {"score/grader_error_share": share}, step=iteration)
+        named = "; ".join(f"{count}x {cause}" for count, cause in ((c, k) for k, c in causes[:3]))
+        raise GraderFailure(
+            f"score i={iteration}: {failed} of {len(verdicts)} completions ({share:.1%}) could not be graded "
+            f"(grader_error_share {share:.3f} > score.max_grader_error_share = {limit}), which is not the "
+            f"completions' fault; no reward was written. Causes: {named}")
+    return share
 
 
 @task(name="score", cache_policy=NO_CACHE)

@@ -11,8 +11,14 @@
    against the stored sampling (behaviour) log-probs. Stale rollouts need it (without such a correction,
    asynchronous GRPO is known to collapse); fresh ones need it too, because the sampler is not the
    trainer: a vLLM engine, or bfloat16 sampling, gives other log-probs than the float32 update. The
-   sampler/trainer mismatch is logged per iteration (``mismatch_kl``, ``is_clipped_share``).
+   sampler/trainer mismatch is logged per iteration (``mismatch_kl``, ``is_clipped_share``). Every
+   log-prob is recomputed under the temperature and nucleus (top-p) its rollout was sampled with, the
+   KL reference's too (chunked and under autocast like the policy's): the distribution the behaviour
+   log-probs are of. One optimizer step is :func:`evertrain.models.grpo.train_step`, here and in the
+   data-parallel processes.
 4. Save the checkpoint, log it to MLflow, register it with alias ``challenger``; it becomes the trainee.
+   AdamW's moments are saved with it, keyed by the content hash of its weights: the next update restores
+   them only when it starts from those weights (not when the sft stage has changed them since).
 
 The starting version is fixed on the first run of the stage (a rerun trains from the same weights).
 
@@ -20,12 +26,13 @@ With ``update.processes = N > 1`` step 3 runs in N data-parallel processes (``ac
 :mod:`evertrain.models.data_parallel`; gloo on the CPU, NCCL on GPUs, one GPU each): the stage gathers the
 groups, computes the proximal log-probs, advantages and minibatch order as with one process, writes them
 to a spec, launches the processes, then loads the checkpoint they wrote and registers it as it would its
-own. Each process takes whole groups of every minibatch and the gradients are summed, so the steps are
-those of one process (up to float rounding: the sums are taken in another order). Everything the update
-does is done the same there: the decoupled objective and its importance weights, per-completion
-temperatures, DAPO's overlong filtering and penalty (they act on the gathered groups), Dr.GRPO's constant
-length, the KL penalty, weight decay, restored AdamW moments, ``precision``, ``logprob_chunk``,
-``gradient_checkpointing``, full fine-tuning and SFT results as the starting point. Refused, naming the
+own. Each process takes whole groups of every minibatch and the gradients are summed (DDP's bucketed
+all-reduce), so the steps are those of one process (up to float rounding: the sums are taken in another
+order). Everything the update does is done the same there: the decoupled objective and its importance
+weights, per-completion temperatures and top-p, DAPO's overlong filtering and penalty (they act on the
+gathered groups), Dr.GRPO's constant length, the KL penalty, weight decay, restored AdamW moments,
+``precision``, ``logprob_chunk``, ``gradient_checkpointing``, full fine-tuning and SFT results as the
+starting point. Refused, naming the
 settings, because N processes could not take the steps one takes:
 
 - ``update.lora.dropout > 0`` (config validation), and a model with any other dropout (stage start):
@@ -38,6 +45,8 @@ settings, because N processes could not take the steps one takes:
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import logging
 import math
 import os
@@ -54,7 +63,18 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig, UpdateConfig
 from evertrain.data.store import now
-from evertrain.models.grpo import LossNorm, group_advantages, pack_microbatches, policy_loss, zero_variance
+from evertrain.models.grpo import (
+    Group,
+    LogProbs,
+    Member,
+    StepSettings,
+    floored,
+    group_advantages,
+    micro_passes,
+    sampling_settings,
+    train_step,
+    zero_variance,
+)
 from evertrain.models.policy import (
     autocast,
     enable_gradient_checkpointing,
@@ -66,28 +86,6 @@ from evertrain.models.policy import (
 )
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
-
-
-@dataclass
-class Member:
-    """One trainable completion: its tokens, their sampling log-probs, its advantage, which tokens are its own."""
-
-    ids: list[int]
-    logprobs: list[float]
-    advantage: float
-    loss_mask: list[int]  # 0 for tool output inside a multi-turn episode: context, not action
-    lag: int = 0  # updates between the policy that sampled it and the trainee
-    proximal: list[float] | None = None  # the trainee's own log-probs before this update (stale rollouts)
-    temperature: float = 1.0  # what it was sampled with: its log-probs are recomputed under the same
-
-
-@dataclass
-class Group:
-    """One problem's prompt and its trainable completions."""
-
-    prompt: list[int]
-    members: list[Member]
-    env: str = ""
 
 
 def _batches(groups: list[Group], size: int) -> list[list[Group]]:
@@ -103,10 +101,17 @@ def _batches(groups: list[Group], size: int) -> list[list[Group]]:
     return [b for b in batches if b]
 
 
+def step_settings(cfg: UpdateConfig, autocast_dtype: torch.dtype | None, pad: int) -> StepSettings:
+    """The update's settings as one optimizer step (:func:`evertrain.models.grpo.train_step`) takes them."""
+    return StepSettings(algorithm=cfg.algorithm, clip_low=cfg.clip_low, clip_high=cfg.clip_upper, is_cap=cfg.is_cap,
+                        kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, microbatch_size=cfg.microbatch_size,
+                        microbatch_tokens=cfg.microbatch_tokens, autocast_dtype=autocast_dtype, pad_id=pad,
+                        chunk=cfg.logprob_chunk, shared_prefix=not cfg.gradient_checkpointing)
+
+
 def _passes(groups: list[Group], cfg: UpdateConfig) -> list[list[Group]]:
     """Forward/backward passes: ``microbatch_size`` completions and ``microbatch_tokens`` padded tokens at most."""
-    return pack_microbatches(groups, cfg.microbatch_size, cfg.microbatch_tokens, lambda g: g.members,
-                             lambda m: len(m.ids), lambda g, part: replace(g, members=part))
+    return micro_passes(groups, step_settings(cfg, None, 0))
 
 
 def _trainable_snapshot(model: Any) -> dict[str, torch.Tensor]:
@@ -141,7 +146,7 @@ def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group],
     first = iteration - cfg.max_staleness if cfg.replay else iteration
     frame = rt.store.query(
         """SELECT iteration, problem_id, sample, env, policy_version, prompt_ids, completion_ids, logprobs,
-                  loss_mask, finish_reason, reward, temperature
+                  loss_mask, finish_reason, reward, temperature, top_p
            FROM rollouts WHERE campaign = ? AND iteration BETWEEN ? AND ?
            ORDER BY iteration, problem_id, sample""",
         [rt.campaign, max(first, 0), iteration],
@@ -173,7 +178,8 @@ def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group],
         advantages = group_advantages(rewards, cfg.algorithm)[0].tolist()
         members = [Member(list(r.completion_ids), list(r.logprobs), a,
                           [int(x) for x in r.loss_mask] if r.loss_mask is not None else [1] * len(r.completion_ids),
-                          lag=int(lag), temperature=_stored_temperature(r, rt.config.generation.temperature))
+                          lag=int(lag), temperature=_stored(r, "temperature", rt.config.generation.temperature),
+                          top_p=_stored(r, "top_p", rt.config.generation.top_p))
                    for r, a in zip(rows.itertuples(index=False), advantages, strict=True) if len(r.completion_ids)
                    # DAPO's overlong filtering: a cut completion's advantage is still counted in its group,
                    # but its tokens are not trained on (its reward says nothing about the answer it never gave)
@@ -200,26 +206,23 @@ def informative(rewards: Any, cut: Any, overlong: str) -> bool:
     return not bool(zero_variance(trained_rewards(rewards, cut, overlong))[0])
 
 
-def _stored_temperature(row: Any, default: float) -> float:
-    """The temperature a rollout was sampled with (rows written before it was stored: the config's)."""
-    value = getattr(row, "temperature", None)
+def _stored(row: Any, setting: str, default: float) -> float:
+    """The temperature or top-p a rollout was sampled with (rows written before it was stored: the config's)."""
+    value = getattr(row, setting, None)
     return default if value is None or value != value else float(value)
 
 
-def _temperatures(part: list[Member]) -> torch.Tensor:
-    return torch.tensor([m.temperature for m in part], dtype=torch.float32)
-
-
 @torch.no_grad()
-def _fill_proximal(model: Any, passes: list[list[Group]], temperature: float, pad: int,
-                   **options: Any) -> None:
-    """Log-probs of every member under the trainee before any step: the decoupled objective's anchor."""
+def _fill_proximal(model: Any, passes: list[list[Group]], pad: int, **options: Any) -> None:
+    """Log-probs of every member under the trainee before any step: the decoupled objective's anchor. Each
+    under the temperature and nucleus it was sampled with, as its behaviour log-probs were."""
     was_training = model.training
     model.eval()
     for part in passes:
+        temperature, top_p = sampling_settings([m for g in part for m in g.members])
         logps, _ = grouped_logprobs(model, [g.prompt for g in part], [[m.ids for m in g.members] for g in part],
-                                    temperature=_temperatures([m for g in part for m in g.members]), pad_id=pad,
-                                    **options)
+                                    temperature=temperature, top_p=top_p, pad_id=pad, **options)
+        logps = floored(logps)
         row = 0
         for g in part:
             for m in g.members:
@@ -245,13 +248,6 @@ def mismatch_stats(groups: list[Group], cap: float) -> dict[str, float]:
             "is_weight_max": float(torch.exp(r).max()), "mismatch_tokens": float(len(log_ratios))}
 
 
-def _padded(rows: list[list[float]], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    out = torch.zeros(like.shape, dtype=dtype or like.dtype, device=like.device)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=out.dtype, device=out.device)
-    return out
-
-
 def normaliser_length(rt: Runtime, groups: list[Group]) -> int:
     """Dr.GRPO's constant completion length: the longest completion the environments actually trained on
     can produce (token limit times turn limit), not the longest limit of any environment in the campaign:
@@ -274,17 +270,61 @@ def _drop_registration(rt: Runtime, iteration: int, start_version: int) -> None:
         rt.store.set_campaign_state(rt.campaign, trainee_version=start_version)
 
 
-def restore_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer, start_version: int, iteration: int) -> str:
-    """Load the AdamW moments saved with ``start_version``; say so (log and MLflow tag) when that fails.
+OPTIMIZER_KEY = "optimizer.json"  # beside optimizer.pt: the content hash of the weights its moments belong to
+
+
+def weights_hash(checkpoint: Path) -> str:
+    """SHA-256 of a checkpoint's weight files (adapter or full weights), names and bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def save_optimizer(optimizer_state: dict[str, Any] | Path, checkpoint: Path) -> None:
+    """Write AdamW's state (a state dict, or an ``optimizer.pt`` to copy) into ``checkpoint``, keyed by the
+    content hash of the checkpoint's weights: the moments are restored only onto those weights."""
+    if isinstance(optimizer_state, Path):
+        shutil.copyfile(optimizer_state, checkpoint / "optimizer.pt")
+    else:
+        torch.save(optimizer_state, checkpoint / "optimizer.pt")
+    (checkpoint / OPTIMIZER_KEY).write_text(json.dumps({"weights_sha256": weights_hash(checkpoint)}))
+
+
+def _optimizer_refusal(rt: Runtime, start_version: int, source: Path) -> str | None:
+    """Why the moments saved with ``start_version`` must not be restored onto ``source``'s weights (or None)."""
+    saved = rt.checkpoint(start_version)
+    if not (saved / "optimizer.pt").exists():
+        return f"v{start_version} has no optimizer.pt"
+    key = saved / OPTIMIZER_KEY
+    if key.exists():
+        if json.loads(key.read_text()).get("weights_sha256") != weights_hash(source):
+            return (f"the weights were changed since v{start_version}'s optimizer state was saved"
+                    + (f" (by the stage that wrote {source.name})" if source.resolve() != saved.resolve() else ""))
+    elif source.resolve() != saved.resolve():  # saved before the key existed: only v's own weights are known
+        return f"the update starts from {source.name}, not v{start_version}, whose weights were changed"
+    return None
+
+
+def restore_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer, start_version: int, iteration: int,
+                      source: Path | None = None) -> str:
+    """Load the AdamW moments saved with ``start_version`` when the update starts from the weights they were
+    saved with (``source``, default v's own checkpoint: not when the sft stage changed them); say so (log
+    and MLflow tag) when they are not restored.
 
     Returns "restored", "fresh: <why>" or "fresh: base model" (a base version has none to restore).
     """
     kind = rt.store.model_version(rt.campaign, start_version)["kind"]
     optimizer_file = rt.checkpoint(start_version) / "optimizer.pt"
+    refusal = None if kind == "base" else _optimizer_refusal(rt, start_version,
+                                                             Path(source or rt.checkpoint(start_version)))
     if kind == "base":
         outcome = "fresh: base model"
-    elif not optimizer_file.exists():
-        outcome = f"fresh: v{start_version} has no optimizer.pt"
+    elif refusal:
+        outcome = f"fresh: {refusal}"
     else:
         try:
             optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
@@ -351,7 +391,7 @@ def _train_data_parallel(rt: Runtime, iteration: int, groups: list[Group], sched
     index = {id(g): i for i, g in enumerate(groups)}
     spec_groups = [{"prompt": [int(t) for t in g.prompt], "members": [  # plain JSON (the store gives numpy scalars)
         {"ids": [int(t) for t in m.ids], "logprobs": [float(x) for x in m.logprobs], "advantage": float(m.advantage),
-         "loss_mask": [int(x) for x in m.loss_mask], "temperature": float(m.temperature),
+         "loss_mask": [int(x) for x in m.loss_mask], "temperature": float(m.temperature), "top_p": float(m.top_p),
          "proximal": None if m.proximal is None else [float(x) for x in m.proximal]} for m in g.members]}
         for g in groups]
     threads = max(1, (config.torch_threads or len(os.sched_getaffinity(0))) // cfg.processes)
@@ -372,56 +412,126 @@ def _train_data_parallel(rt: Runtime, iteration: int, groups: list[Group], sched
     return launch(spec, cfg.processes, cpu=device.type == "cpu", threads=threads), scratch / "out"
 
 
+@dataclass
+class Trained:
+    """What the update's steps did, here or in data-parallel processes."""
+
+    steps: int
+    losses: list[float]
+    grad_norms: list[float]
+    is_weights: list[float]
+    stats_sum: dict[str, float]
+    model_s: float
+    processes: int = 1
+
+
 def _train_here(model: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                 schedule: list[list[Group]], reference: Any, *, iteration: int, longest: int,
                 autocast_dtype: torch.dtype | None, pad: int, logprob_options: dict[str, Any],
                 cfg: UpdateConfig) -> tuple[int, list[float], list[float], list[float], dict[str, float], float]:
     """The schedule's steps in this process: steps, losses, grad norms, importance weights, statistics, seconds."""
-    steps, stats_sum, losses, grad_norms, is_weights = 0, {}, [], [], []
-    model_seconds = 0.0
+    settings = step_settings(cfg, autocast_dtype, pad)
+    settings = replace(settings, chunk=logprob_options.get("chunk", settings.chunk),
+                       shared_prefix=logprob_options.get("shared_prefix", settings.shared_prefix))
+    scorer = LogProbs(model)
+    losses, grad_norms, is_weights, stats_sum = [], [], [], {}
+    began = time.perf_counter()
     with progress(len(schedule), f"update   i={iteration}", "step") as bar:
         for minibatch in schedule:
-            members = [m for g in minibatch for m in g.members]
-            norm = LossNorm(sequences=len(members), tokens=sum(sum(m.loss_mask) for m in members),
-                            max_completion_length=longest)
-            optimizer.zero_grad(set_to_none=True)
-            began = time.perf_counter()
-            total = 0.0
-            for micro in _passes(minibatch, cfg):
-                prompts = [g.prompt for g in micro]
-                completions = [[m.ids for m in g.members] for g in micro]
-                part = [m for g in micro for m in g.members]
-                with autocast(autocast_dtype, model):
-                    new_logps, mask = grouped_logprobs(model, prompts, completions, temperature=_temperatures(part),
-                                                       pad_id=pad, **logprob_options)
-                behaviour = _padded([m.logprobs for m in part], new_logps)
-                mask = mask & _padded([m.loss_mask for m in part], mask, torch.bool)
-                # the ratio's anchor is the proximal policy (the trainee before this update); every token is
-                # weighted by the truncated importance weight against the sampler's behaviour log-probs
-                anchor = _padded([m.proximal if m.proximal is not None else m.logprobs for m in part], new_logps)
-                weights = torch.exp(anchor - behaviour).clamp(max=cfg.is_cap) * mask
-                is_weights.append(float(weights.sum() / mask.sum().clamp(min=1)))
-                ref_logps = None
-                if reference is not None:
-                    with torch.no_grad():
-                        ref_logps, _ = grouped_logprobs(reference, prompts, completions,
-                                                        temperature=_temperatures(part), pad_id=pad)
-                advantages = torch.tensor([m.advantage for m in part], dtype=torch.float32, device=mask.device)
-                loss, stats = policy_loss(
-                    new_logps, anchor, advantages, mask, norm, algorithm=cfg.algorithm, clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_upper, ref_logps=ref_logps, kl_coef=cfg.kl_coef, is_weights=weights,
-                )
-                loss.backward()
-                total += float(loss.detach())
-                for key, value in stats.items():
-                    stats_sum[key] = stats_sum.get(key, 0.0) + value * len(part)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-            optimizer.step()
-            model_seconds += time.perf_counter() - began
-            losses.append(total)
-            steps += 1
+            step = train_step(scorer, optimizer, params, minibatch, settings, reference=reference,
+                              max_completion_length=longest)
+            losses.append(step.loss)
+            grad_norms.append(step.grad_norm)
+            is_weights += step.is_weights
+            for key, value in step.stats_sum.items():
+                stats_sum[key] = stats_sum.get(key, 0.0) + value
             bar.update(1)
-    return steps, losses, grad_norms, is_weights, stats_sum, model_seconds
+    return len(schedule), losses, grad_norms, is_weights, stats_sum, time.perf_counter() - began
+
+
+def _schedule(rt: Runtime, iteration: int, groups: list[Group]) -> list[list[Group]]:
+    """The minibatches of every epoch, in an order seeded by the campaign seed and the iteration."""
+    rng = random.Random(seed_for(rt.config.seed, iteration, "update"))
+    schedule = []
+    for _epoch in range(rt.config.update.epochs if groups else 0):
+        order = groups[:]
+        rng.shuffle(order)
+        schedule += _batches(order, rt.config.update.minibatch_size)
+    return schedule
+
+
+def _load_trainee(rt: Runtime, iteration: int, source: Path, data_parallel: bool) -> tuple[Any, Any, Any]:
+    """The trainee (fresh adapters seeded by the campaign seed and iteration), its tokenizer and KL reference."""
+    config, cfg = rt.config, rt.config.update
+    torch.manual_seed(seed_for(config.seed, iteration, "update", "init"))
+    model, tokenizer = load_policy(source, trainable=True, lora=cfg.lora, finetune=cfg.finetune,
+                                   device=config.model.device)
+    if data_parallel and (dropout := dropout_settings(model)):
+        raise ValueError(f"update.processes = {cfg.processes}, but the model applies dropout ({', '.join(dropout)}): "
+                         "each process would draw its own masks, so N processes cannot take the steps one takes; "
+                         "set update.processes = 1 (or a model and update.lora.dropout without dropout)")
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    reference = None
+    if cfg.kl_coef > 0 and not data_parallel:  # data-parallel processes load their own
+        reference, _ = load_policy(_reference_checkpoint(rt), trainable=False, device=config.model.device)
+    return model, tokenizer, reference
+
+
+def _train_elsewhere(rt: Runtime, iteration: int, groups: list[Group], schedule: list[list[Group]], *,
+                     source: Path, longest: int, restored: bool, start_version: int,
+                     device: torch.device) -> tuple[Any, Trained, Path]:
+    """The schedule in ``update.processes`` processes: the trained model, loaded here, what they did, their folder."""
+    config, cfg = rt.config, rt.config.update
+    optimizer_file = rt.checkpoint(start_version) / "optimizer.pt" if restored else None
+    with progress(len(schedule), f"update   i={iteration}", "step") as bar:
+        report, folder = _train_data_parallel(
+            rt, iteration, groups, schedule, source=source, seed=seed_for(config.seed, iteration, "update", "init"),
+            longest=longest, optimizer_file=optimizer_file, device=device)
+        bar.update(len(schedule))
+    if report["processes"] != cfg.processes:
+        raise RuntimeError(f"the data-parallel update ran {report['processes']} processes, not {cfg.processes}")
+    # the trained checkpoint, loaded as this process would have held it after its own loop
+    model, _ = load_policy(folder, trainable=True, lora=cfg.lora, finetune=cfg.finetune, device=config.model.device)
+    trained = Trained(len(report["losses"]), report["losses"], report["grad_norms"], report["is_weights"],
+                      report["stats_sum"], report["model_s"], cfg.processes)
+    return model, trained, folder
+
+
+def _register(rt: Runtime, iteration: int, path: Path, start_version: int) -> int:
+    """Register ``path`` as this iteration's challenger and trainee, replacing what an earlier (or killed) run
+    of the stage registered, unless the registry already serves that as champion."""
+    protected = {rt.tracker.alias("champion"), rt.tracker.alias("previous_champion")}
+    for old_version in rt.tracker.versions_of(iteration):
+        if old_version not in protected:
+            rt.tracker.delete_version(old_version)
+    version = rt.tracker.register(path, rt.tracker.run_id(iteration), iteration)
+    rt.tracker.set_alias("challenger", version)
+    with rt.store.transaction() as con:
+        con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [rt.campaign, iteration])
+    rt.store.replace("model_versions", {"campaign": rt.campaign, "version": version}, [{
+        "campaign": rt.campaign, "version": version, "iteration": iteration, "kind": rt.config.update.finetune,
+        "path": rt.stored_path(path), "parent_version": start_version, "created_at": now(),
+    }])
+    rt.store.set_campaign_state(rt.campaign, trainee_version=version)
+    return version
+
+
+def _metrics(cfg: UpdateConfig, groups: list[Group], trained: Trained) -> dict[str, Any]:
+    """The stage's metrics about its steps (means over steps and passes, statistics per trained sequence)."""
+    losses, grad_norms, is_weights = trained.losses, trained.grad_norms, trained.is_weights
+    trained_sequences = sum(len(g.members) for g in groups)
+    metrics: dict[str, Any] = {
+        "steps": trained.steps, "trained_sequences": trained_sequences,
+        "trained_tokens": sum(sum(m.loss_mask) for g in groups for m in g.members) * cfg.epochs,
+        "loss": sum(losses) / len(losses) if losses else 0.0,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        "is_weight_mean": sum(is_weights) / len(is_weights) if is_weights else 1.0,
+        "model_s": trained.model_s, "clip_high": cfg.clip_upper, "processes": trained.processes,
+    }
+    per = max(trained_sequences * cfg.epochs, 1)
+    metrics.update({key: value / per for key, value in trained.stats_sum.items() if key != "tokens"})
+    return metrics
 
 
 def update(rt: Runtime, iteration: int) -> dict[str, Any]:
@@ -439,116 +549,52 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
         _drop_registration(rt, iteration, start_version)
         return {**info, "start_version": start_version, "steps": 0, "trained_sequences": 0, "trained_tokens": 0,
                 "processes": 1, "skipped": "no informative group: every group's rewards agreed (or were too stale)"}
-
-    # a fresh adapter's initialisation, dropout and (below) the minibatch order all come from the campaign
-    # seed and the iteration, so a rerun of this stage trains from the same weights
-    init_seed = seed_for(config.seed, iteration, "update", "init")
-    torch.manual_seed(init_seed)
     # the optional sft stage's result, when it ran for this iteration: the challenger is then SFT, then RL
-    source = checkpoint_for(rt, iteration) or rt.checkpoint(start_version)
-    model, tokenizer = load_policy(source, trainable=True, lora=cfg.lora,
-                                   finetune=cfg.finetune, device=config.model.device)
-    if device is not None and (dropout := dropout_settings(model)):
-        raise ValueError(f"update.processes = {cfg.processes}, but the model applies dropout ({', '.join(dropout)}): "
-                         "each process would draw its own masks, so N processes cannot take the steps one takes; "
-                         "set update.processes = 1 (or a model and update.lora.dropout without dropout)")
+    source = Path(checkpoint_for(rt, iteration) or rt.checkpoint(start_version))
+    model, tokenizer, reference = _load_trainee(rt, iteration, source, device is not None)
     autocast_dtype = update_precision(cfg.precision, next(model.parameters()).device)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    # chunked log-probs; gradient checkpointing recomputes layers, which must not write to a shared KV cache twice
-    logprob_options = {"chunk": cfg.logprob_chunk, "shared_prefix": not cfg.gradient_checkpointing}
-    reference = None
-    if cfg.kl_coef > 0 and device is None:  # data-parallel processes load their own
-        reference, _ = load_policy(_reference_checkpoint(rt), trainable=False, device=config.model.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    optimizer_state = restore_optimizer(rt, optimizer, start_version, iteration)
+    optimizer_state = restore_optimizer(rt, optimizer, start_version, iteration, source)
     before = _trainable_snapshot(model)
-    temperature, pad = config.generation.temperature, tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id
+    # chunked log-probs; gradient checkpointing recomputes layers, which must not write to a shared KV cache twice
+    logprob_options = {"chunk": cfg.logprob_chunk, "shared_prefix": not cfg.gradient_checkpointing}
     began = time.perf_counter()
     with autocast(autocast_dtype, model):
-        _fill_proximal(model, _passes(groups, cfg), temperature, pad, **logprob_options)
-    model_seconds = time.perf_counter() - began
+        _fill_proximal(model, _passes(groups, cfg), pad, **logprob_options)
+    proximal_seconds = time.perf_counter() - began
     mismatch = mismatch_stats(groups, cfg.is_cap)
-
-    rng = random.Random(seed_for(config.seed, iteration, "update"))
     longest = normaliser_length(rt, groups)
-    schedule = []
-    for _epoch in range(cfg.epochs if groups else 0):
-        order = groups[:]
-        rng.shuffle(order)
-        schedule += _batches(order, cfg.minibatch_size)
-    processes = cfg.processes if device is not None and schedule else 1
+    schedule = _schedule(rt, iteration, groups)
     trained_elsewhere: Path | None = None
-    if processes > 1:
-        assert device is not None
+    if device is not None and schedule:
         # the processes load their own copies: this one's leaves memory (on a GPU, the first process's)
         before = {name: value.cpu() for name, value in before.items()}
         del model, optimizer, params
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        optimizer_file = rt.checkpoint(start_version) / "optimizer.pt" if optimizer_state == "restored" else None
-        with progress(len(schedule), f"update   i={iteration}", "step") as bar:
-            report, trained_elsewhere = _train_data_parallel(
-                rt, iteration, groups, schedule, source=Path(source), seed=init_seed, longest=longest,
-                optimizer_file=optimizer_file, device=device)
-            bar.update(len(schedule))
-        if report["processes"] != processes:
-            raise RuntimeError(f"the data-parallel update ran {report['processes']} processes, not {processes}")
-        # the trained checkpoint, loaded as this process would have held it after its own loop
-        model, _ = load_policy(trained_elsewhere, trainable=True, lora=cfg.lora, finetune=cfg.finetune,
-                               device=config.model.device)
-        steps, losses, grad_norms = len(report["losses"]), report["losses"], report["grad_norms"]
-        is_weights, stats_sum = report["is_weights"], report["stats_sum"]
-        model_seconds += report["model_s"]
+        model, trained, trained_elsewhere = _train_elsewhere(
+            rt, iteration, groups, schedule, source=source, longest=longest, start_version=start_version,
+            restored=optimizer_state == "restored", device=device)
     else:
-        steps, losses, grad_norms, is_weights, stats_sum, seconds = _train_here(
-            model, optimizer, params, schedule, reference, iteration=iteration, longest=longest,
-            autocast_dtype=autocast_dtype, pad=pad, logprob_options=logprob_options, cfg=cfg)
-        model_seconds += seconds
-
+        trained = Trained(*_train_here(model, optimizer, params, schedule, reference, iteration=iteration,
+                                       longest=longest, autocast_dtype=autocast_dtype, pad=pad,
+                                       logprob_options=logprob_options, cfg=cfg))
     delta = math.sqrt(sum(float((p.detach() - before[n].to(p.device)).pow(2).sum())
                           for n, p in model.named_parameters() if p.requires_grad))
     path = save_checkpoint(model, rt.checkpoint_dir(iteration), rt.base_model, parent_version=start_version,
                            iteration=iteration)
     if trained_elsewhere is not None:
-        shutil.copyfile(trained_elsewhere / "optimizer.pt", path / "optimizer.pt")
+        save_optimizer(trained_elsewhere / "optimizer.pt", path)
         shutil.rmtree(trained_elsewhere.parent, ignore_errors=True)
     else:
-        torch.save(optimizer.state_dict(), path / "optimizer.pt")
-
-    # rerun-safe registration: drop what an earlier (or killed) run of this stage registered for this
-    # iteration, unless the registry already serves it as champion
-    protected = {rt.tracker.alias("champion"), rt.tracker.alias("previous_champion")}
-    for old_version in rt.tracker.versions_of(iteration):
-        if old_version not in protected:
-            rt.tracker.delete_version(old_version)
-    version = rt.tracker.register(path, rt.tracker.run_id(iteration), iteration)
-    rt.tracker.set_alias("challenger", version)
-    with rt.store.transaction() as con:
-        con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [rt.campaign, iteration])
-    rt.store.replace("model_versions", {"campaign": rt.campaign, "version": version}, [{
-        "campaign": rt.campaign, "version": version, "iteration": iteration,
-        "kind": cfg.finetune, "path": rt.stored_path(path), "parent_version": start_version, "created_at": now(),
-    }])
-    rt.store.set_campaign_state(rt.campaign, trainee_version=version)
-    trained_sequences = sum(len(g.members) for g in groups)
-    trained = max(trained_sequences * cfg.epochs, 1)
-    metrics: dict[str, Any] = {
-        **info, "challenger_version": version, "start_version": start_version, "steps": steps,
-        "trained_sequences": trained_sequences,
-        "trained_tokens": sum(sum(m.loss_mask) for g in groups for m in g.members) * cfg.epochs,
-        "loss": sum(losses) / len(losses) if losses else 0.0,
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
-        "is_weight_mean": sum(is_weights) / len(is_weights) if is_weights else 1.0,
-        "weight_delta_norm": delta, "model_s": model_seconds, "normaliser_length": longest,
-        "clip_high": cfg.clip_upper, "optimizer_restored": float(optimizer_state == "restored"),
-        "processes": processes,
-    }
-    metrics.update({key: value / trained for key, value in stats_sum.items() if key != "tokens"})
-    metrics.update(mismatch)
-    return metrics
+        save_optimizer(optimizer.state_dict(), path)
+    version = _register(rt, iteration, path, start_version)
+    return {**info, "challenger_version": version, "start_version": start_version, **_metrics(cfg, groups, trained),
+            "model_s": proximal_seconds + trained.model_s, "weight_delta_norm": delta, "normaliser_length": longest,
+            "optimizer_restored": float(optimizer_state == "restored"), **mismatch}
 
 
 @task(name="update", cache_policy=NO_CACHE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -54,9 +56,14 @@ def test_sft_trains_on_the_selected_trajectories_and_update_starts_from_it(score
     assert again["selected"] == metrics["selected"] and rt.store.counts() == before
     for k, v in _adapter(path).items():
         assert torch.allclose(v, trained[k], atol=1e-4), k  # seeded: the rerun trains the same weights
-    # the update of the iteration starts from the sft checkpoint
+    # the update of the iteration starts from the sft checkpoint: the challenger is the sft adapter moved by
+    # exactly the update's own steps (from a fresh adapter, or the trainee's, it would lie far from it)
     update = run_stage(rt, "update", 0, STAGE_FUNCTIONS["update"])
-    assert update.get("steps", 0) >= 0
+    assert update["steps"] >= 1
+    started, challenger = _adapter(path), _adapter(rt.checkpoint(update["challenger_version"]))
+    assert started.keys() == challenger.keys()
+    distance = math.sqrt(sum(float((challenger[k] - started[k]).pow(2).sum()) for k in started))
+    assert math.isclose(distance, update["weight_delta_norm"], rel_tol=1e-3), (distance, update["weight_delta_norm"])
 
 
 def test_a_killed_or_empty_sft_run_is_ignored_and_iterations_resume_correctly(scored):
