@@ -29,9 +29,7 @@ def protected_versions(rt: Runtime) -> set[int]:
     state = rt.store.campaign_state(rt.campaign)
     trainee = None if state is None or pd.isna(state["trainee_version"]) else int(state["trainee_version"])
     if trainee is not None:
-        from evertrain.tasks.update import lags_from
-
-        keep |= set(lags_from(rt, trainee, rt.config.update.max_staleness))
+        keep |= set(rt.store.ancestors(rt.campaign, trainee, rt.config.update.max_staleness))
     # what the store's last decision made champion, in case an alias was moved by hand
     from evertrain.report import current_champion
 

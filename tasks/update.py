@@ -129,15 +129,7 @@ def start_version_of(rt: Runtime, iteration: int) -> int:
 
 def lags_from(rt: Runtime, start: int, depth: int) -> dict[int, int]:
     """Policy versions reachable from ``start`` through at most ``depth`` parent links, with their distance."""
-    lags, version = {start: 0}, start
-    for distance in range(1, depth + 1):
-        parent = rt.store.scalar("SELECT parent_version FROM model_versions WHERE campaign = ? AND version = ?",
-                                 [rt.campaign, version])
-        if parent is None or parent != parent:  # None or NaN: the base model has no parent
-            break
-        version = int(parent)
-        lags[version] = distance
-    return lags
+    return rt.store.ancestors(rt.campaign, start, depth)
 
 
 def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group], dict[str, Any]]:

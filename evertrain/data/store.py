@@ -665,6 +665,19 @@ class Store:
         state.update(values, updated_at=now())
         self.replace("campaign_state", {"campaign": campaign}, [state])
 
+    def ancestors(self, campaign: str, start: int, depth: int) -> dict[int, int]:
+        """Versions reachable from ``start`` through at most ``depth`` parent links, with their distance
+        (the lineage, read from ``model_versions``: the store is its authority)."""
+        lags, version = {start: 0}, start
+        for distance in range(1, depth + 1):
+            parent = self.scalar("SELECT parent_version FROM model_versions WHERE campaign = ? AND version = ?",
+                                 [campaign, version])
+            if parent is None or parent != parent:  # None or NaN: the base model has no parent
+                break
+            version = int(parent)
+            lags[version] = distance
+        return lags
+
     def model_version(self, campaign: str, version: int) -> dict[str, Any]:
         frame = self.query("SELECT * FROM model_versions WHERE campaign = ? AND version = ?",
                            [campaign, version])
