@@ -18,13 +18,17 @@ from tests.conftest import smoke_config_in, store_uri
 POINTS = ("start", "before_commit", "end")  # every point evertrain.faults.maybe_kill is called with
 
 
-def _run(config_file: Path, cwd: Path, api_url: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+def _command(config_file: Path, api_url: str, kill_at: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PREFECT_API_URL": api_url, "EVERTRAIN_PROGRESS": "0"}
     env.pop("EVERTRAIN_KILL_AT", None)
     if kill_at:
         env["EVERTRAIN_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, "-m", "evertrain.cli", "run", "--config", str(config_file),
-                           "--iterations", "1"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return [sys.executable, "-m", "evertrain.cli", "run", "--config", str(config_file), "--iterations", "1"], env
+
+
+def _run(config_file: Path, cwd: Path, api_url: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    command, env = _command(config_file, api_url, kill_at)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _snapshot(store_path: str) -> dict[str, list[tuple]]:
@@ -62,21 +66,31 @@ def test_kill_in_every_stage_then_resume(tmp_path, models_dir, api_url):
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
     reference_dir.mkdir()
     crashed_dir.mkdir()
-    result = _run(_campaign(reference_dir, models_dir), reference_dir, api_url)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # the uninterrupted reference runs beside the killed runs (its own store, MLflow and checkpoints): its
+    # single-threaded start-up overlaps theirs; output to a file, as a pipe nobody reads could fill and stall it
+    command, env = _command(_campaign(reference_dir, models_dir), api_url)
+    reference_log = reference_dir / "run.log"
+    with open(reference_log, "w") as log:
+        reference = subprocess.Popen(command, cwd=reference_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    try:
+        config_file = _campaign(crashed_dir, models_dir)
+        # each run resumes the stages the previous one finished and dies in the next one, at each fault-injection
+        # point in turn: as it starts, inside its first write before the commit, after its work is stored
+        for stage, point in zip(STAGES, POINTS * 2, strict=True):
+            result = _run(config_file, crashed_dir, api_url, kill_at=f"{stage}:{point}")
+            assert result.returncode == -signal.SIGKILL, (stage, point, result.returncode, result.stderr[-3000:])
+            status = {row[1]: row[2] for row in _snapshot(store_uri(crashed_dir))["stage_runs"]}
+            assert status[stage] == "running", (stage, status)
+        result = _run(config_file, crashed_dir, api_url)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+        assert reference.wait(timeout=300) == 0, reference_log.read_text()[-3000:]
+    finally:  # a failed assertion above must not leave the reference running
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
     expected = _snapshot(store_uri(reference_dir))
-
-    config_file = _campaign(crashed_dir, models_dir)
-    # each run resumes the stages the previous one finished and dies in the next one, at each fault-injection
-    # point in turn: as it starts, inside its first write before the commit, after its work is stored
-    for stage, point in zip(STAGES, POINTS * 2, strict=True):
-        result = _run(config_file, crashed_dir, api_url, kill_at=f"{stage}:{point}")
-        assert result.returncode == -signal.SIGKILL, (stage, point, result.returncode, result.stderr[-3000:])
-        status = {row[1]: row[2] for row in _snapshot(store_uri(crashed_dir))["stage_runs"]}
-        assert status[stage] == "running", (stage, status)
-    result = _run(config_file, crashed_dir, api_url)
-    assert result.returncode == 0, result.stderr[-3000:]
-
     assert _snapshot(store_uri(crashed_dir)) == expected
 
     # the iteration's MLflow run was continued, not duplicated, and is not left running

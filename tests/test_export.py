@@ -106,7 +106,7 @@ def test_mlflow_serves_the_exported_model(exported, tmp_path):
             except OSError:
                 pass
             assert time.monotonic() < deadline, "mlflow models serve did not come up in 240 s"
-            time.sleep(2)
+            time.sleep(0.5)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/invocations", method="POST", headers={"Content-Type": "application/json"},
             data=json.dumps({"inputs": ["What is 2 + 3?"], "params": {"max_new_tokens": 8}}).encode())

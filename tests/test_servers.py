@@ -46,7 +46,7 @@ def _team_config(directory: Path, models_dir: Path, servers: dict[str, Any], nam
 
 def _env(servers: dict[str, Any], home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("EVERTRAIN_KILL_AT", "PREFECT_API_URL")}
-    env.update(servers["env"], PREFECT_HOME=str(home), EVERTRAIN_PROGRESS="0", PREFECT_WORKER_QUERY_SECONDS="2",
+    env.update(servers["env"], PREFECT_HOME=str(home), EVERTRAIN_PROGRESS="0", PREFECT_WORKER_QUERY_SECONDS="1",
                PREFECT_WORKER_PREFETCH_SECONDS="5", **extra)
     return env
 
@@ -64,10 +64,12 @@ def _kill_worker(worker: subprocess.Popen) -> None:
         worker.wait(timeout=30)
 
 
-def _trigger(client: Any, deployment_id: Any, config: Any) -> Any:
-    """What the UI's "Run" form does: a flow run of the deployment with the typed config as its parameter."""
+def _trigger(client: Any, deployment_id: Any, config: Any, env: dict[str, str] | None = None) -> Any:
+    """What the UI's "Run" form does: a flow run of the deployment with the typed config as its parameter
+    (and, for the run to be killed, the fault-injection variable in its process's environment)."""
     run = client.create_flow_run_from_deployment(
-        deployment_id, parameters={"config": config.model_dump(mode="json"), "iterations": 1})
+        deployment_id, parameters={"config": config.model_dump(mode="json"), "iterations": 1},
+        job_variables={"env": env} if env else None)
     return run.id
 
 
@@ -78,7 +80,7 @@ def _wait_final(client: Any, run_id: Any, worker: subprocess.Popen, log: Path, t
         if state is not None and state.is_final():
             return state.type.value
         assert worker.poll() is None, f"the worker exited ({worker.returncode}):\n{log.read_text()[-3000:]}"
-        time.sleep(2)
+        time.sleep(0.5)
     raise AssertionError(f"flow run {run_id} not finished after {timeout} s; worker log:\n{log.read_text()[-3000:]}")
 
 
@@ -136,17 +138,22 @@ def test_worker_runs_a_triggered_iteration_then_resumes_after_sigkill(servers, m
         assert deployment.work_pool_name == pool and deployment.global_concurrency_limit.limit == 1
         assert "config" in deployment.parameter_openapi_schema["properties"]  # the UI's typed form
 
-        # 1. a worker picks up a triggered run and completes a whole iteration against the servers
-        assert _run_on_a_worker(client, deployment_id, config, pool, _env(servers, home), log) == "COMPLETED", \
-            log.read_text()[-3000:]
-        first = _store_rows(config.paths.store, "team")
-        assert first["rollouts"] == [(0, 32, 32, 32)]
-        assert set(first["stages"].values()) == {"completed"} and len(first["stages"]) == 6
-        assert _mlflow_runs(servers, "team") == ["FINISHED"]
+        # 1. a worker picks up a triggered run and completes a whole iteration against the servers;
+        # 2. the next run's flow-run process (on the same worker: one worker start the less) is SIGKILLed
+        # inside the score stage's write, then the worker too
+        worker = _start_worker(pool, _env(servers, home), log)
+        try:
+            state = _wait_final(client, _trigger(client, deployment_id, config), worker, log)
+            assert state == "COMPLETED", log.read_text()[-3000:]
+            first = _store_rows(config.paths.store, "team")
+            assert first["rollouts"] == [(0, 32, 32, 32)]
+            assert set(first["stages"].values()) == {"completed"} and len(first["stages"]) == 6
+            assert _mlflow_runs(servers, "team") == ["FINISHED"]
 
-        # 2. the next run's flow-run process is SIGKILLed inside the score stage's write, then the worker too
-        state = _run_on_a_worker(client, deployment_id, config, pool,
-                                 _env(servers, home, EVERTRAIN_KILL_AT="score:before_commit"), log)
+            state = _wait_final(client, _trigger(client, deployment_id, config,
+                                                 {"EVERTRAIN_KILL_AT": "score:before_commit"}), worker, log)
+        finally:
+            _kill_worker(worker)
         assert state in ("CRASHED", "FAILED"), state
         killed = _store_rows(config.paths.store, "team")
         assert killed["stages"][(1, "score")] == "running"
