@@ -27,6 +27,7 @@ from typing import Any
 
 from evertrain.config import DEFAULT_SFT_SELECT, SftConfig
 from evertrain.runtime import Runtime
+from evertrain.tasks.warm_start import run_select, trainer_arguments
 
 DEFAULT_DPO_SELECT = (
     "SELECT iteration, problem_id, sample FROM rollouts "
@@ -45,8 +46,6 @@ def selection_sql(cfg: SftConfig) -> str:
 
 def select_pairs(rt: Runtime, iteration: int) -> Any:
     """The pairs, two rows each (``pair``, ``role`` = 'chosen' then 'rejected', token ids, loss mask, chat)."""
-    from evertrain.tasks.sft import run_select
-
     cfg = rt.config.sft
     return run_select(rt, iteration, selection_sql(cfg), lambda chosen: f"""
         WITH chosen AS ({chosen}),
@@ -119,8 +118,6 @@ def train_dpo(rt: Runtime, iteration: int, model: Any, tokenizer: Any, rows: lis
     from datasets import Dataset
     from peft import PeftModel
     from trl import DPOConfig, DPOTrainer
-
-    from evertrain.tasks.sft import trainer_arguments
 
     class TokenizedDPOTrainer(DPOTrainer):
         """DPOTrainer on pairs already tokenized (the store's token ids): nothing is re-tokenized from text."""

@@ -27,12 +27,10 @@ and ``sft_examples`` gives each rollout its ``pair`` and ``role`` ('chosen' or '
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -41,34 +39,15 @@ from prefect.cache_policies import NO_CACHE
 from evertrain.config import CampaignConfig
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import run_stage
+from evertrain.tasks.warm_start import (  # noqa: F401  (checkpoint_dir, checkpoint_for: the stage's API)
+    checkpoint_dir,
+    checkpoint_for,
+    run_select,
+    start_version_of,
+    trainer_arguments,
+)
 
 STAGE = "sft"
-
-
-def checkpoint_dir(rt: Runtime, iteration: int) -> Path:
-    return rt.checkpoints_root() / rt.campaign / f"sft-{iteration}"
-
-
-def checkpoint_for(rt: Runtime, iteration: int) -> Path | None:
-    """The SFT checkpoint the update of ``iteration`` starts from, or None (stage off, skipped, not finished)."""
-    if not rt.config.sft.runs_in(iteration):
-        return None
-    if rt.store.stage_status(rt.campaign, iteration).get(STAGE) != "completed":
-        return None
-    path = checkpoint_dir(rt, iteration)
-    return path if path.is_dir() else None
-
-
-def run_select(rt: Runtime, iteration: int, chosen: str, build: Callable[[str], str]) -> Any:
-    """Run ``build(chosen)``, the SQL that wraps the selection SQL ``chosen``, with ``$campaign`` (and
-    ``$iteration`` where ``chosen`` uses it) bound; a failure names the ``sft.select`` setting."""
-    params = {name: value for name, value in (("campaign", rt.campaign), ("iteration", iteration))
-              if re.search(rf"\${name}\b", chosen)}
-    params["campaign"] = rt.campaign
-    try:
-        return rt.store.query(build(chosen), params)  # type: ignore[arg-type]  # DuckDB binds named parameters too
-    except Exception as error:
-        raise ValueError(f"sft.select failed: {error}") from error
 
 
 def select(rt: Runtime, iteration: int) -> Any:
@@ -115,8 +94,6 @@ def prompt_ids_for(row: Any, tokenizer: Any, prompt: str) -> list[int]:
 
 
 def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
-    from evertrain.tasks.update import start_version_of
-
     config, cfg = rt.config, rt.config.sft
     dpo = cfg.method == "dpo"
     start_version = start_version_of(rt, iteration)
@@ -169,25 +146,6 @@ def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
     return {
         "selected": len(frame), "groups": int(frame[["iteration", "problem_id"]].drop_duplicates().shape[0]),
         "start_version": start_version, "prompts_rewritten": rewritten, **metrics,
-    }
-
-
-def trainer_arguments(rt: Runtime, iteration: int, model: Any, stage: str) -> dict[str, Any]:
-    """The TRL training arguments the sft and dpo methods share: seeded, constant learning rate, no saving,
-    and the update's precision and gradient checkpointing (not TRL's defaults, which turn both on)."""
-    import torch
-
-    from evertrain.models.policy import update_precision
-
-    config, cfg = rt.config, rt.config.sft
-    device = next(model.parameters()).device
-    return {
-        "per_device_train_batch_size": cfg.batch_size, "num_train_epochs": cfg.epochs,
-        "learning_rate": cfg.learning_rate, "lr_scheduler_type": "constant", "logging_steps": 1,
-        "save_strategy": "no", "report_to": [], "seed": seed_for(config.seed, iteration, stage, "order"),
-        "max_length": None, "disable_tqdm": True, "use_cpu": device.type == "cpu", "dataloader_num_workers": 0,
-        "bf16": update_precision(config.update.precision, device) is torch.bfloat16,
-        "gradient_checkpointing": config.update.gradient_checkpointing,
     }
 
 

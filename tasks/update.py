@@ -86,6 +86,7 @@ from evertrain.models.policy import (
 )
 from evertrain.runtime import Runtime, get_runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
+from evertrain.tasks.warm_start import checkpoint_for, start_version_of
 
 
 def _batches(groups: list[Group], size: int) -> list[list[Group]]:
@@ -116,15 +117,6 @@ def _passes(groups: list[Group], cfg: UpdateConfig) -> list[list[Group]]:
 
 def _trainable_snapshot(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def start_version_of(rt: Runtime, iteration: int) -> int:
-    """The trainee this update starts from: the current one, or, on a rerun, the one the first run used."""
-    earlier = rt.store.query("SELECT parent_version FROM model_versions WHERE campaign = ? AND iteration = ?",
-                             [rt.campaign, iteration])
-    if not earlier.empty and earlier["parent_version"].notna().all():
-        return int(earlier["parent_version"].iloc[0])
-    return rt.trainee_version()
 
 
 def lags_from(rt: Runtime, start: int, depth: int) -> dict[int, int]:
@@ -532,8 +524,6 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
     device = check_data_parallel(config) if cfg.processes > 1 else None
     start_version = start_version_of(rt, iteration)
     groups, info = gather_groups(rt, iteration, start_version)
-    from evertrain.tasks.sft import checkpoint_for
-
     if not groups and checkpoint_for(rt, iteration) is None:
         # nothing to learn from (and no SFT result to register): the weights would equal the trainee's, so
         # no challenger is registered and evaluate and promote record themselves as skipped instead of
