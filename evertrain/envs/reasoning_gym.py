@@ -88,7 +88,7 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from evertrain.envs.answers import extract_final_answer
+from evertrain.envs.answers import MAX_DIGITS, extract_final_answer, number_hazard
 from evertrain.envs.base import Environment, Problem, Split, Verdict, problem_id
 from evertrain.sandbox import Limits, SandboxRunRecord, run_python
 
@@ -320,11 +320,9 @@ _ITEM_FILTERS: dict[str, Callable[[dict[str, Any]], bool]] = {
 
 # Bounds of the in-process checks: nothing of an answer is converted or evaluated before them.
 MAX_ANSWER_CHARS = 20_000
-MAX_NUMBER_DIGITS = 200
-MAX_EXPONENT = 299  # floats end at 1.8e308: past this a number is inf to a scorer that floats it
-_NON_FINITE = re.compile(r"(?<![A-Za-z])[+-]?(?:nan|inf(?:inity)?)(?![A-Za-z])", re.IGNORECASE)
-_DIGIT_RUN = re.compile(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}")
-_BIG_EXPONENT = re.compile(r"\d\.?\d*[eE][+-]?0*(\d{4,}|[3-9]\d\d)")  # an exponent past MAX_EXPONENT
+# Numbers in an answer are read by the one canonical rule (evertrain.envs.answers.number_hazard): any
+# spelling of nan or inf, and any number past the digit or value bounds however its exponent is spelled.
+MAX_NUMBER_DIGITS = MAX_DIGITS
 
 
 def expression_symbols(generator: str, entry: dict[str, Any]) -> list[str]:
@@ -343,17 +341,16 @@ def precheck(generator: str, answer: str, entry: dict[str, Any]) -> str | None:
     """Why ``answer`` earns 0 before any scorer sees it (None: let the scorer decide). Bounded work.
 
     Refused: an answer far longer than any oracle; a non-finite number (``nan``, ``inf``), which some
-    partial-credit formulas turn into full credit; a number with more than MAX_NUMBER_DIGITS digits or
-    an exponent past MAX_EXPONENT; for symbolic scorers, anything but a plain expression; for puzzles,
-    an expression that does not use exactly the puzzle's numbers.
+    partial-credit formulas turn into full credit, in any spelling; a number with more than MAX_DIGITS
+    digits or a value past 10**MAX_EXPONENT (:func:`evertrain.envs.answers.number_hazard`); for
+    symbolic scorers, anything but a plain expression; for puzzles, an expression that does not use
+    exactly the puzzle's numbers.
     """
     oracle = entry.get("answer") if isinstance(entry.get("answer"), str) else ""
     if len(answer) > max(MAX_ANSWER_CHARS, 20 * len(oracle)):
         return "answer_too_long"
-    if _NON_FINITE.search(answer) and not _NON_FINITE.search(oracle):
-        return "non_finite_answer"
-    if (_DIGIT_RUN.search(answer) and not _DIGIT_RUN.search(oracle)) or _BIG_EXPONENT.search(answer):
-        return "over_long_number"
+    if hazard := number_hazard(answer, oracle):
+        return hazard
     if generator in SYMBOLIC:
         allowed = set(expression_symbols(generator, entry)) | (_FUNCTIONS if SYMBOLIC[generator] == "expression"
                                                               else set())

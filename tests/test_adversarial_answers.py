@@ -1,0 +1,92 @@
+"""Answer-side attacks on the graders (issue 23): each wrong answer here must earn exactly 0.
+
+Classes: non-finite values by another spelling, a number bound that reads only part of the number,
+scorer tolerances looser than the question's precision, premises restated or contradictory
+(propositional logic), and text parsing whose time grows faster than its input. Each test was checked
+to fail on the code before its fix.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from evertrain.envs.answers import canonical_number, grade_math, number_hazard, parse_number
+
+# ---------------------------------------------------------------------------------------------------
+# 1. Non-finite values by another spelling; 4. bounds that read only part of a number
+
+NON_FINITE_SPELLINGS = ["NaN", "-inF", "Infinity", "+INFINITY", "ｎａｎ", "\u2212inf", "sNaN", "n a n", "na n+0i",
+                        "n_a_n"]
+OUT_OF_BOUNDS_SPELLINGS = ["1e999", "1E+0000999", "1e9_99", "-1e9_99", "１e９９９", "1" + "0" * 150 + "e200",
+                           "9_" * 200 + "9", "1e-400", "10**999", "10^999", "10\u2079\u2079\u2079", "0x1p9999",
+                           "1e000000009999999999", "1e9_99+2i", "[1, 2, 1e9_99]"]
+
+
+@pytest.mark.parametrize("answer", NON_FINITE_SPELLINGS)
+def test_every_spelling_of_a_non_finite_value_is_refused_before_the_scorer(answer):
+    from evertrain.envs.reasoning_gym import precheck
+
+    entry = {"question": "q", "answer": "-15.0 + 3.0i", "metadata": {}}
+    assert precheck("complex_arithmetic", answer, entry) == "non_finite_answer"
+
+
+@pytest.mark.parametrize("answer", OUT_OF_BOUNDS_SPELLINGS)
+def test_every_spelling_of_a_huge_exponent_is_refused_before_the_scorer(answer):
+    from evertrain.envs.reasoning_gym import precheck
+
+    entry = {"question": "q", "answer": "7.023159", "metadata": {}}
+    assert precheck("decimal_arithmetic", answer, entry) == "over_long_number"
+
+
+def test_canonical_number_reads_one_value_whatever_the_spelling():
+    assert canonical_number("１２３")[0] == 123 and canonical_number("\u22125")[0] == -5
+    assert canonical_number("1_000")[0] == 1000 and canonical_number("$1,234.50")[0] == parse_number("1234.5")
+    assert canonical_number("١٢")[0] == 12  # Arabic-Indic digits, which float() also reads
+    assert [canonical_number(x)[1] for x in ("NaN", "-inF", "ｉｎｆ", "Infinity")] == ["non_finite"] * 4
+    assert [canonical_number(x)[1] for x in ("1e9_99", "1E+0000999", "1e-400", "9" * 201)] == ["out_of_bounds"] * 4
+    assert canonical_number("1e300")[0] == 10**300 and canonical_number("hello")[1] == "not_a_number"
+    assert number_hazard("[1, 2, 3]") is None and number_hazard("(4.051, -5.487)") is None
+    assert number_hazard("bean antics") is None and number_hazard("x**3 + 2*x") is None
+
+
+def test_a_partial_credit_formula_gives_nothing_for_nan_spelled_with_spaces():
+    """rg:complex_arithmetic scores min(1, exp(-distance)): nan makes that 1.0, and its parser removes
+    spaces, so 'n a n' (which the old precheck's word match missed) earned full reward."""
+    from evertrain.envs.reasoning_gym import ReasoningGym
+
+    env = ReasoningGym("complex_arithmetic")
+    problem = env.problems("eval", 1, 0)[0]
+    for answer in ("n a n", "na n+0i"):
+        verdict = env.verify(problem, f"#### {answer}")
+        assert (verdict.reward, verdict.reason) == (0.0, "non_finite_answer"), (answer, verdict)
+    assert env.verify(problem, env.reference(problem)).reward == 1.0
+
+
+def test_the_exponent_bound_reads_the_whole_exponent_and_builds_nothing_big():
+    """The old bound read the first 8 characters of the exponent: '1e0000000099999999999' passed as
+    1e0 and Fraction(Decimal(...)) built a ten-billion-digit integer in the grading process. Run in a
+    child with a memory cap so the old code fails instead of taking the machine down; the honest item
+    graded after it in the same process keeps its reward."""
+    script = textwrap.dedent("""
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        from evertrain.envs.answers import grade_math, parse_number
+        for text in ("1e0000000099999999999", "1E+00000000000999999999", "-1e-0000000099999999999"):
+            assert parse_number(text) is None, text
+            assert grade_math("#### " + text, "7").reward == 0.0
+        assert grade_math("#### 7", "7").reward == 1.0
+        print("bounded")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "bounded", done.stderr[-2000:]
+
+
+def test_the_math_rule_refuses_non_finite_and_huge_spellings_and_keeps_unicode_digits():
+    for answer in ("1e9_99", "NaN", "-inF", "1E+0000999", "１e９９９"):
+        assert grade_math(f"#### {answer}", "7").reward == 0.0
+    assert grade_math("#### ７", "7").reward == 1.0
+    assert grade_math("#### \u22127", "-7").reward == 1.0
