@@ -90,3 +90,61 @@ def test_the_math_rule_refuses_non_finite_and_huge_spellings_and_keeps_unicode_d
         assert grade_math(f"#### {answer}", "7").reward == 0.0
     assert grade_math("#### ７", "7").reward == 1.0
     assert grade_math("#### \u22127", "-7").reward == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Scorer tolerances looser than the question's stated precision
+
+
+def _moved_last_number(oracle: str, step: str, descending: bool) -> str:
+    """The oracle with its last number moved by ``step`` (outward, so a sorted list stays sorted).
+    Written here, apart from the module's own helper, so the test does not trust the code it checks."""
+    import re
+    from decimal import Decimal
+
+    last = list(re.finditer(r"-?[0-9]+(?:\.[0-9]+)?", oracle))[-1]
+    moved = Decimal(last.group(0)) + (-Decimal(step) if descending else Decimal(step))
+    return oracle[:last.start()] + format(moved, "f") + oracle[last.end():]
+
+
+# (generator, how far the answer is moved: 0.6 of a unit of the precision the question states or,
+# where it states none, of the oracle's last written digit); each was full credit from rg's scorer
+LOOSE = [("decimal_arithmetic", "sig12"), ("number_format", "last"), ("number_sorting", "last"),
+         ("pool_matrix", "0.006")]
+
+
+@pytest.mark.parametrize(("generator", "step"), LOOSE)
+def test_a_number_just_outside_the_stated_precision_earns_nothing(generator, step):
+    from decimal import Decimal
+
+    from evertrain.envs.reasoning_gym import ReasoningGym, encode_answer
+
+    env = ReasoningGym(generator)
+    problems = env.problems("eval", 3, 0)
+    for problem in problems:
+        oracle = problem.payload["answer"]
+        last = oracle.replace("'", " ").replace("]", " ").split()[-1]
+        if step == "sig12":
+            delta = str(Decimal("0.6") * Decimal(10) ** (Decimal(last).adjusted() - 11))
+        elif step == "last":
+            delta = str(Decimal("0.6") * Decimal(10) ** Decimal(last).as_tuple().exponent)
+        else:
+            delta = step
+        descending = problem.payload["metadata"].get("direction") == "descending"
+        bad = _moved_last_number(oracle, delta, descending)
+        verdict = env.verify(problem, "#### " + encode_answer(generator, bad))
+        assert (verdict.reward, verdict.reason) == (0.0, "outside_stated_precision"), (oracle, bad, verdict)
+        assert env.verify(problem, env.reference(problem)).reward == 1.0
+
+
+def test_an_answer_rounded_coarser_than_the_question_asks_earns_nothing():
+    """decimal_arithmetic asks for 12 significant digits; its scorer accepted anything within 0.001."""
+    from evertrain.envs.reasoning_gym import within_stated_precision
+
+    entry = {"question": "Please solve this problem to a maximum of 12 significant digits, rounding up from the "
+                         "half. Only reply with the final value.\n4.180+(7.365/3.440) = ?",
+             "answer": "6.32098837209", "metadata": {}}
+    assert within_stated_precision("decimal_arithmetic", "6.32098837209", entry)
+    assert within_stated_precision("decimal_arithmetic", "6.320988372093", entry)  # more digits, still right
+    assert not within_stated_precision("decimal_arithmetic", "6.321", entry)
+    assert not within_stated_precision("decimal_arithmetic", "6.32098837210", entry)  # one unit off

@@ -279,6 +279,102 @@ SCORER_FIXES["coin_flip"] = (
     "exactly (as a fraction)")
 _FIX_CHECKS["coin_flip"] = _exact_number
 
+# Scorers whose tolerance is looser than the precision the question asks for (or, where the question
+# states none, than the digits the generator wrote in its oracle): their full credit stands only if
+# every number of the answer is within half a unit of that precision's last digit of the oracle's
+# (:func:`within_stated_precision`). The self-test holds a case just outside that bound for each.
+TOLERANCE_FIXES: dict[str, str] = {
+    "decimal_arithmetic": "rg's scorer accepts |answer - oracle| <= 10**-max_num_decimal_places (0.001) while the "
+                          "question asks for 12 significant digits: '6.321' scored 1.0 for 6.32098837209",
+    "number_format": "rg's scorer accepts |answer - oracle| < 0.01 while the candidates are written to 3 decimals, "
+                     "so a number that is none of the candidates scored 1.0",
+    "number_sorting": "rg's scorer accepts each number within 1 of the oracle's while the numbers are written to "
+                      "one decimal: a sorted list of other numbers scored 1.0",
+    "pool_matrix": "rg's scorer accepts a relative error of 1% (np.allclose rtol=1e-2) while the question asks for "
+                   "2 decimal places: 8.07 scored as 8",
+}
+# how each reads the numbers of an answer: one number, or every number of a list or grid
+_TOLERANCE_READ: dict[str, str] = {"decimal_arithmetic": "one", "number_format": "one",
+                                   "number_sorting": "list", "pool_matrix": "list"}
+_SIGNIFICANT = re.compile(r"([0-9]{1,3})\s+significant\s+(?:digits|figures)", re.IGNORECASE)
+_DECIMAL_PLACES = re.compile(r"([0-9]{1,3})\s+decimal\s+places", re.IGNORECASE)
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def stated_unit(question: str, oracle_number: str) -> Fraction:
+    """One unit of the last digit the question asks for (its significant digits or decimal places), or,
+    where it states none, of the last digit the oracle number is written with."""
+    from decimal import Decimal
+
+    oracle = Decimal(oracle_number)
+    if match := _SIGNIFICANT.search(question):
+        leading = oracle.adjusted() if oracle else 0
+        return Fraction(10) ** (leading - int(match.group(1)) + 1)
+    if match := _DECIMAL_PLACES.search(question):
+        return Fraction(1, 10 ** int(match.group(1)))
+    exponent = oracle.as_tuple().exponent
+    return Fraction(10) ** exponent if isinstance(exponent, int) else Fraction(1)
+
+
+def _numbers(text: str, read: str) -> list[tuple[str, Fraction]] | None:
+    from evertrain.envs.answers import canonical_number, normalize_numeric_text
+
+    text = normalize_numeric_text(text)
+    if read == "one":
+        value = canonical_number(text.replace(",", ""))[0]
+        return None if value is None else [(text.replace(",", "").strip(), value)]
+    found = []
+    for token in _PLAIN_NUMBER.findall(text):
+        value = canonical_number(token)[0]
+        if value is None:
+            return None
+        found.append((token, value))
+    return found
+
+
+def within_stated_precision(generator: str, answer: str, entry: dict[str, Any]) -> bool:
+    """Every number of ``answer`` is within half a unit of the stated precision of the oracle's number."""
+    read = _TOLERANCE_READ[generator]
+    answers, oracles = _numbers(answer, read), _numbers(str(entry["answer"]), read)
+    if not answers or not oracles or len(answers) != len(oracles):
+        return False
+    question = str(entry.get("question", ""))
+    return all(2 * abs(value - target) <= stated_unit(question, text)
+               for (_, value), (text, target) in zip(answers, oracles, strict=True))
+
+
+def just_outside_precision(generator: str, entry: dict[str, Any]) -> str | None:
+    """The oracle with its last number moved by 0.6 of the stated unit (outward, so a sorted list stays
+    sorted): the self-test's case just outside the tolerance, which the old scorers credited."""
+    read = _TOLERANCE_READ.get(generator)
+    oracle = entry.get("answer")
+    if read is None or not isinstance(oracle, str):
+        return None
+    numbers = _numbers(oracle, read)
+    if not numbers:
+        return None
+    text, value = numbers[-1]
+    step = Fraction(6, 10) * stated_unit(str(entry.get("question", "")), text)
+    descending = (entry.get("metadata") or {}).get("direction") == "descending"
+    moved = value - step if descending else value + step
+    written = _decimal_text(moved)
+    start = oracle.rfind(text)
+    return oracle[:start] + written + oracle[start + len(text):]
+
+
+def _decimal_text(value: Fraction) -> str:
+    """A terminating fraction (a sum of decimals) written out as a plain decimal."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as context:
+        context.prec = 60
+        return format(Decimal(value.numerator) / Decimal(value.denominator), "f").rstrip("0").rstrip(".") or "0"
+
+
+for _name, _why in TOLERANCE_FIXES.items():
+    SCORER_FIXES[_name] = _why
+    _FIX_CHECKS[_name] = lambda answer, entry, _name=_name: within_stated_precision(_name, answer, entry)
+
 # Scorers that evaluate what the answer says with sympy (parse_expr runs eval): their answers are
 # checked against a token allowlist here, reduced to a plain-data expression tree in one sandbox that
 # holds no oracle, and only the tree reaches the scoring sandbox (see SYMBOLIC_WHY). The value is the
@@ -488,6 +584,8 @@ REASONS: dict[str, str] = {
     "over_long_number": "a number with too many digits or too large an exponent (refused before scoring)",
     "answer_not_plain_expression": "a symbolic answer that is not a plain expression in the problem's variables",
     "puzzle_inputs_not_used": "the expression does not use exactly the puzzle's numbers, each once",
+    "outside_stated_precision": "the scorer's tolerance credited a number off by more than the precision the question "
+                                "states (see TOLERANCE_FIXES)",
     "not_exact": "a wrapped scorer's partial credit stands for no full answer: exact comparison failed",
     "answer_blocked": "evaluating the answer tried something the scorer's audit hook refuses (0 whatever the score)",
     "scorer_load_failed": "the generator's module or dataset could not be loaded in the sandbox",
@@ -892,7 +990,8 @@ class ReasoningGym(Environment):
         result = score_in_sandbox(generator, decoded, entry, config=config)
         if result.score and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
             result.detail["rg_score_before_fix"] = result.score
-            result.score, result.reason = 0.0, "wrong_answer"
+            result.score, result.reason = 0.0, ("outside_stated_precision" if generator in TOLERANCE_FIXES
+                                                else "wrong_answer")
         detail: dict[str, Any] = {"answer": answer[:200], "rg_score": result.score, **result.detail}
         if generator != self.generator:
             detail["generator"] = generator
@@ -939,7 +1038,11 @@ class ReasoningGym(Environment):
             restated.append(str(premise))
         if isinstance(meta.get("numbers"), list) and "target" in meta:
             restated += [str(meta["target"]), f"{meta['target']} + 0"]
-        return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated]
+        entry = _entry(problem)
+        generator, _ = self.scoring_generator(entry)
+        outside = just_outside_precision(generator, entry)
+        loose = [("tolerance", "#### " + encode_answer(generator, outside))] if outside else []
+        return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated] + loose
                 + [("hack", completion) for completion in self.hack_completions(problem)])
 
     def hack_completions(self, problem: Problem) -> list[str]:
