@@ -148,3 +148,45 @@ def test_an_answer_rounded_coarser_than_the_question_asks_earns_nothing():
     assert within_stated_precision("decimal_arithmetic", "6.320988372093", entry)  # more digits, still right
     assert not within_stated_precision("decimal_arithmetic", "6.321", entry)
     assert not within_stated_precision("decimal_arithmetic", "6.32098837210", entry)  # one unit off
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Restating the premises (propositional logic)
+
+
+def _transformed(premises: list[str]) -> list[str]:
+    found = []
+    for premise in premises:
+        found += [f"¬¬{premise}", f"(({premise}))", f"({premise} ∧ {premise})", f"¬(¬{premise})"]
+    found.append(" ∧ ".join(f"({p})" for p in reversed(premises)))  # the conjunction, reordered
+    return found
+
+
+def test_a_premise_trivially_transformed_earns_nothing():
+    from evertrain.envs.reasoning_gym import ReasoningGym
+
+    env = ReasoningGym("propositional_logic")
+    credited = 0
+    for problem in env.problems("eval", 4, 0):
+        premises = problem.payload["metadata"]["premises"]
+        for answer in _transformed(premises):
+            verdict = env.verify(problem, f"#### {answer}")
+            assert verdict.reward == 0.0, (premises, answer, verdict)
+            credited += verdict.detail.get("rg_score_before_fix") == 1.0
+        assert env.verify(problem, env.reference(problem)).reward == 1.0
+    assert credited > 0  # rg's own scorer gave these full credit: the check is what refuses them
+
+
+def test_premises_that_contradict_each_other_are_refused():
+    """From P and ¬P everything follows: rg credited the contradiction (Q ∧ ¬Q) as a conclusion."""
+    from evertrain.envs.reasoning_gym import ReasoningGym, premises_consistent
+
+    env = ReasoningGym("propositional_logic")
+    item = {"question": "Given:\n1. P\n.2. ¬P\n.What can we conclude from the above statements?", "answer": None,
+            "metadata": {"premises": ["P", "¬P"], "variables": ["P", "Q"], "example_answer": "(Q ∧ ¬Q)"}}
+    problem = env.parse_problem(item)
+    for answer in ("(Q ∧ ¬Q)", "(Q → P)", "(P ∧ Q)"):
+        verdict = env.verify(problem, f"#### {answer}")
+        assert (verdict.reward, verdict.reason) == (0.0, "restates_premises"), verdict
+    pool = env.problems("eval", 100, 0) + env.problems("train", 50, 1)
+    assert all(premises_consistent(p.payload) for p in pool)

@@ -261,16 +261,161 @@ def _exact_number(answer: str, entry: dict[str, Any]) -> bool:
     return value is not None and value == oracle
 
 
+_LOGIC_OPERATORS = {"↔": 0, "→": 1, "∨": 2, "∧": 3}  # precedence, lowest first, as reasoning-gym parses
+MAX_LOGIC_CHARS = 2000
+MAX_LOGIC_DEPTH = 100
+MAX_LOGIC_VARIABLES = 12  # truth tables of 4096 rows at most, as bit masks
+
+
+def logic_truth_table(text: str, variables: list[str]) -> int | None:
+    """The truth table of a propositional formula (``¬ ∧ ∨ → ↔``, parentheses, the given one-letter
+    variables) as a bit mask over all assignments, or None when it is not such a formula.
+
+    Parsed like reasoning-gym's ``parse_expr`` (``↔`` binds loosest, then ``→``, ``∨``, ``∧``; equal
+    operators group to the left) by a bounded, linear recursive descent; nothing is evaluated.
+    """
+    if len(text) > MAX_LOGIC_CHARS or not 0 < len(variables) <= MAX_LOGIC_VARIABLES:
+        return None
+    rows = 1 << len(variables)
+    full = (1 << rows) - 1
+    masks = {name: sum(1 << row for row in range(rows) if row >> i & 1) for i, name in enumerate(variables)}
+    tokens = [c for c in text if not c.isspace()]
+    position = 0
+
+    def combine(op: str, left: int, right: int) -> int:
+        if op == "∧":
+            return left & right
+        if op == "∨":
+            return left | right
+        if op == "→":
+            return (full ^ left) | right
+        return full ^ (left ^ right)
+
+    def binary(level: int, depth: int) -> int:
+        nonlocal position
+        if depth > MAX_LOGIC_DEPTH:
+            raise ValueError("too deep")
+        if level == len(_LOGIC_OPERATORS):
+            return unary(depth)
+        value = binary(level + 1, depth + 1)
+        while position < len(tokens) and _LOGIC_OPERATORS.get(tokens[position]) == level:
+            op = tokens[position]
+            position += 1
+            value = combine(op, value, binary(level + 1, depth + 1))
+        return value
+
+    def unary(depth: int) -> int:
+        nonlocal position
+        if position >= len(tokens):
+            raise ValueError("truncated")
+        token = tokens[position]
+        position += 1
+        if token == "¬":
+            if depth > MAX_LOGIC_DEPTH:
+                raise ValueError("too deep")
+            return full ^ unary(depth + 1)
+        if token == "(":
+            value = binary(0, depth + 1)
+            if position >= len(tokens) or tokens[position] != ")":
+                raise ValueError("unbalanced")
+            position += 1
+            return value
+        if token in masks:
+            return masks[token]
+        raise ValueError(f"unexpected {token!r}")
+
+    try:
+        value = binary(0, 0)
+    except ValueError:
+        return None
+    return value if position == len(tokens) else None
+
+
+def _logic_tables(entry: dict[str, Any]) -> tuple[list[str], list[int]] | None:
+    meta = entry.get("metadata") or {}
+    variables, premises = meta.get("variables"), meta.get("premises")
+    if not isinstance(variables, list) or not isinstance(premises, list) or not premises:
+        return None
+    variables = [v for v in variables if isinstance(v, str) and len(v) == 1]
+    tables = [logic_truth_table(str(p), variables) for p in premises]
+    return (variables, tables) if all(t is not None for t in tables) else None  # type: ignore[return-value]
+
+
+def premises_consistent(entry: dict[str, Any]) -> bool:
+    """Some assignment makes every premise true: from contradictory premises anything follows."""
+    found = _logic_tables(entry)
+    if found is None:
+        return False
+    conjunction = -1
+    for table in found[1]:
+        conjunction &= table
+    return conjunction != 0
+
+
+def _premise_conjunctions(tables: list[int]) -> set[int]:
+    """The truth tables of every conjunction of a non-empty set of the premises (each premise included)."""
+    found: set[int] = set()
+    for table in dict.fromkeys(tables):
+        found |= {table & other for other in found} | {table}
+    return found
+
+
 def _not_a_premise(answer: str, entry: dict[str, Any]) -> bool:
-    """A conclusion that is not just one of the premises restated (whitespace ignored)."""
+    """A conclusion that says something the premises do not already say as they stand: not equivalent
+    (same truth table) to any premise or any conjunction of premises, from consistent premises."""
     premises = entry.get("metadata", {}).get("premises") or []
     squeeze = "".join
-    return squeeze(answer.split()) not in {squeeze(str(p).split()) for p in premises}
+    if squeeze(answer.split()) in {squeeze(str(p).split()) for p in premises}:
+        return False
+    found = _logic_tables(entry)
+    if found is None or not premises_consistent(entry):
+        return False
+    table = logic_truth_table(answer, found[0])
+    return table is not None and table not in _premise_conjunctions(found[1])
+
+
+def logic_restatements(entry: dict[str, Any]) -> list[str]:
+    """Premises trivially transformed (double negation, doubled or extra parentheses, reordered or
+    repeated conjuncts): the self-test's known-bad conclusions."""
+    premises = [str(p) for p in (entry.get("metadata") or {}).get("premises") or []]
+    if not premises:
+        return []
+    found = []
+    for premise in dict.fromkeys(premises):
+        found += [f"¬¬{premise}", f"(({premise}))", f"({premise} ∧ {premise})", f"¬(¬{premise})"]
+    found.append(" ∧ ".join(f"({p})" for p in reversed(premises)))
+    return found
+
+
+def logic_reference(entry: dict[str, Any]) -> str | None:
+    """A conclusion the grade accepts: the item's example answer, unless it only restates premises (it
+    often does: '(Q ∧ Q)' from the premise Q); else a premise weakened by a disjunct that is neither a
+    tautology nor equivalent to any conjunction of premises."""
+    meta = entry.get("metadata") or {}
+    example = meta.get("example_answer")
+    if isinstance(example, str) and _not_a_premise(example, entry):
+        return example
+    found = _logic_tables(entry)
+    if found is None:
+        return None
+    variables, tables = found
+    full = (1 << (1 << len(variables))) - 1
+    conjunctions = _premise_conjunctions(tables)
+    for premise in dict.fromkeys(str(p) for p in meta["premises"]):
+        for variable in variables:
+            for literal in (variable, f"¬{variable}"):
+                candidate = f"({premise} ∨ {literal})"
+                table = logic_truth_table(candidate, variables)
+                if table is not None and table != full and table not in conjunctions:
+                    return candidate
+    return None
 
 
 SCORER_FIXES["propositional_logic"] = (
     "rg's scorer credits any non-trivial conclusion the premises entail, so a premise copied from the "
-    "question ('(Q → P)') scored 1.0. A conclusion that restates a premise now earns 0")
+    "question ('(Q → P)') scored 1.0, and so did the same premise transformed ('¬¬(Q → P)', '(P ∧ Q)' for "
+    "'(Q ∧ P)'). A conclusion equivalent (same truth table) to a premise or to a conjunction of premises "
+    "now earns 0, and items whose premises contradict each other are left out of the pool")
 _FIX_CHECKS["propositional_logic"] = _not_a_premise
 
 SCORER_FIXES["coin_flip"] = (
@@ -371,7 +516,10 @@ def _decimal_text(value: Fraction) -> str:
         return format(Decimal(value.numerator) / Decimal(value.denominator), "f").rstrip("0").rstrip(".") or "0"
 
 
+# the reason a fixed scorer's credit is taken back with (others: "wrong_answer")
+_FIX_REASONS: dict[str, str] = {"propositional_logic": "restates_premises"}
 for _name, _why in TOLERANCE_FIXES.items():
+    _FIX_REASONS[_name] = "outside_stated_precision"
     SCORER_FIXES[_name] = _why
     _FIX_CHECKS[_name] = lambda answer, entry, _name=_name: within_stated_precision(_name, answer, entry)
 
@@ -412,6 +560,8 @@ PUZZLE_TARGETS: dict[str, Callable[[dict[str, Any]], Fraction]] = {
 # keep its size): sympy could not integrate them, so the oracle answer is an unevaluated Integral.
 _ITEM_FILTERS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "intermediate_integration": lambda item: "Integral" not in str(item.get("answer")),
+    # premises that contradict each other entail every conclusion: no answer can be wrong
+    "propositional_logic": lambda item: premises_consistent(item),
 }
 
 # Bounds of the in-process checks: nothing of an answer is converted or evaluated before them.
@@ -586,6 +736,8 @@ REASONS: dict[str, str] = {
     "puzzle_inputs_not_used": "the expression does not use exactly the puzzle's numbers, each once",
     "outside_stated_precision": "the scorer's tolerance credited a number off by more than the precision the question "
                                 "states (see TOLERANCE_FIXES)",
+    "restates_premises": "a conclusion equivalent to a premise or a conjunction of premises, or drawn from "
+                         "premises that contradict each other",
     "not_exact": "a wrapped scorer's partial credit stands for no full answer: exact comparison failed",
     "answer_blocked": "evaluating the answer tried something the scorer's audit hook refuses (0 whatever the score)",
     "scorer_load_failed": "the generator's module or dataset could not be loaded in the sandbox",
@@ -990,8 +1142,7 @@ class ReasoningGym(Environment):
         result = score_in_sandbox(generator, decoded, entry, config=config)
         if result.score and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
             result.detail["rg_score_before_fix"] = result.score
-            result.score, result.reason = 0.0, ("outside_stated_precision" if generator in TOLERANCE_FIXES
-                                                else "wrong_answer")
+            result.score, result.reason = 0.0, _FIX_REASONS.get(generator, "wrong_answer")
         detail: dict[str, Any] = {"answer": answer[:200], "rg_score": result.score, **result.detail}
         if generator != self.generator:
             detail["generator"] = generator
@@ -1008,7 +1159,9 @@ class ReasoningGym(Environment):
         entry = _entry(problem)
         generator, _ = self.scoring_generator(entry)
         answer = entry["answer"]
-        if answer is None and generator in _METADATA_SOLUTION:
+        if answer is None and generator == "propositional_logic":
+            answer = logic_reference(entry)
+        elif answer is None and generator in _METADATA_SOLUTION:
             solution = entry["metadata"].get(_METADATA_SOLUTION[generator])
             answer = solution if isinstance(solution, str) or solution is None else json.dumps(solution)
         if answer is None:
@@ -1036,6 +1189,7 @@ class ReasoningGym(Environment):
             restated += [f"expand({expression})", expression, f"simplify({expression})", f"({expression})*1"]
         for premise in meta.get("premises") or []:
             restated.append(str(premise))
+        restated += logic_restatements({"metadata": meta})
         if isinstance(meta.get("numbers"), list) and "target" in meta:
             restated += [str(meta["target"]), f"{meta['target']} + 0"]
         entry = _entry(problem)
