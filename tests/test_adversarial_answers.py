@@ -8,6 +8,7 @@ to fail on the code before its fix.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -190,3 +191,50 @@ def test_premises_that_contradict_each_other_are_refused():
         assert (verdict.reward, verdict.reason) == (0.0, "restates_premises"), verdict
     pool = env.problems("eval", 100, 0) + env.problems("train", 50, 1)
     assert all(premises_consistent(p.payload) for p in pool)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Text parsing in the grading process: linear in its input
+
+# Each took minutes at 200k characters before (measured: 12 s for the code fences at 60k characters,
+# 9 s for the tool tag at 20k, growing with the square of the length).
+STALLING = {  # Python expressions, built in the child process that parses them
+    "code_fences": "'```' * 66_000",
+    "code_open_fence": "'```' + ' ' * 199_000 + 'x'",
+    "tool_tag": "'<' + ' ' * 199_000 + 'x'",
+    "tool_closing_tags": "'< / ' * 49_000",
+    "tool_fence": "'<python>\\n```\\n' + ' ' * 199_000 + 'x\\n</python>\\n#### 1'",
+    "number_blanks": "'#### 1' + ' ' * 199_000 + 'e'",
+}
+
+
+def test_adversarial_inputs_parse_in_linear_time_and_honest_items_keep_their_reward():
+    """Every 200k-character input goes through the real grading path (verify_many, two workers) in a
+    child process with a generous bound; the honest items graded in the same batch earn 1. On the old
+    code the child ran past the bound (the quadratic regexes hold the GIL, stalling every worker)."""
+    script = textwrap.dedent(f"""
+        import json
+        from evertrain.envs import registry
+        from evertrain.envs.code import extract_code
+        from evertrain.envs.answers import number_hazard
+        from evertrain.envs.tools import parse_tool_call
+        from evertrain.scoring import verify_many
+
+        stalling = {{name: eval(expression) for name, expression in {STALLING!r}.items()}}
+        assert all(len(text) > 195_000 for text in stalling.values())
+        for text in stalling.values():  # each parser directly
+            extract_code(text), parse_tool_call(text, ["python", "sql"]), number_hazard(text)
+        calculator = registry.get("calculator")
+        mbpp = registry.get("mbpp")
+        honest = [(env, p, env.known_good(p)[0]) for env in (calculator, mbpp) for p in env.problems("eval", 2, 0)]
+        problem = calculator.problems("eval", 1, 0)[0]
+        code_problem = mbpp.problems("eval", 1, 0)[0]
+        attacks = [(calculator, problem, text) for text in stalling.values()]
+        attacks += [(mbpp, code_problem, text) for text in stalling.values()]
+        verdicts = verify_many(attacks + honest, workers=2)
+        print(json.dumps([[v.reward for v in verdicts[:len(attacks)]], [v.reward for v in verdicts[len(attacks):]]]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    attacks, honest = json.loads(done.stdout.strip().splitlines()[-1])
+    assert attacks == [0.0] * (2 * len(STALLING)) and honest == [1.0] * 4

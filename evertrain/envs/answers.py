@@ -136,13 +136,13 @@ def parse_number(text: str) -> Fraction | None:
 
 
 # Number-like tokens inside a longer answer (a list, a coordinate pair, an expression), for
-# :func:`number_hazard`. Linear: no nested quantifiers, and each alternative starts on a digit, a
-# point or the hex prefix, so a failed attempt costs at most the token's own length.
+# :func:`number_hazard`. Linear: every token starts on a digit or a point, and every quantifier is
+# possessive, so no attempt backtracks and the blanks after a number are read once.
 _TOKEN = re.compile(r"""
-    (?P<hex>0[xX][0-9a-fA-F_]*(?:\.[0-9a-fA-F_]*)?(?:[pP][ \t]*(?P<hexexp>[+-]?[0-9_]+))?)
-  | (?P<int>[0-9][0-9_]*)?(?:\.(?P<frac>[0-9_]*))?
-    (?:[ \t]*[eE][ \t]*(?P<exp>[+-]?[ \t]*[0-9][0-9_]*))?
-    (?:[ \t]*(?:\*\*|\^)[ \t]*\(?[ \t]*(?P<pow>[+-]?[0-9][0-9_]*))?
+    (?P<hex>0[xX][0-9a-fA-F_]*+(?:\.[0-9a-fA-F_]*+)?+(?:[pP][ \t]*+(?P<hexexp>[+-]?+[0-9_]++))?+)
+  | (?:(?P<int>[0-9][0-9_]*+)(?:\.(?P<frac>[0-9_]*+))?+ | \.(?P<pfrac>[0-9][0-9_]*+))
+    (?:[ \t]*+[eE][ \t]*+(?P<exp>[+-]?+[ \t]*+[0-9][0-9_]*+))?+
+    (?:[ \t]*+(?:\*\*|\^)[ \t]*+\(?+[ \t]*+(?P<pow>[+-]?+[0-9][0-9_]*+))?+
 """, re.VERBOSE)
 _WORD_NON_FINITE = re.compile(r"(?<![a-z])(?:s?nan|inf(?:inity)?)(?![a-z])")
 # letters of number spellings only (nan, snan, inf, infinity, exponent, complex unit): an answer made of
@@ -176,8 +176,6 @@ def number_hazard(answer: str, oracle: str = "") -> str | None:
             return "non_finite_answer"
     long_ok = _longest_digits(reference) > MAX_DIGITS
     for match in _TOKEN.finditer(text):
-        if not match.group(0) or match.group(0) == ".":
-            continue
         if match.group("hex") is not None:
             exponent = (match.group("hexexp") or "0").replace("_", "")
             if len(exponent.lstrip("+-0")) > 4 or abs(int(exponent or "0")) > 4 * MAX_EXPONENT:
@@ -186,7 +184,7 @@ def number_hazard(answer: str, oracle: str = "") -> str | None:
                 return "over_long_number"
             continue
         integer = (match.group("int") or "").replace("_", "")
-        fraction = (match.group("frac") or "").replace("_", "")
+        fraction = (match.group("frac") or match.group("pfrac") or "").replace("_", "")
         exponent = "".join((match.group("exp") or "").split()).replace("_", "")
         size = _magnitude(integer, fraction, exponent)
         if size is None:

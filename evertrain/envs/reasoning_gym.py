@@ -461,7 +461,7 @@ def stated_unit(question: str, oracle_number: str) -> Fraction:
     return Fraction(10) ** exponent if isinstance(exponent, int) else Fraction(1)
 
 
-def _numbers(text: str, read: str) -> list[tuple[str, Fraction]] | None:
+def _numbers(text: str, read: str, limit: int = 10_000) -> list[tuple[str, Fraction]] | None:
     from evertrain.envs.answers import canonical_number, normalize_numeric_text
 
     text = normalize_numeric_text(text)
@@ -469,9 +469,10 @@ def _numbers(text: str, read: str) -> list[tuple[str, Fraction]] | None:
         value = canonical_number(text.replace(",", ""))[0]
         return None if value is None else [(text.replace(",", "").strip(), value)]
     found = []
-    for token in _PLAIN_NUMBER.findall(text):
+    for match in _PLAIN_NUMBER.finditer(text):
+        token = match.group(0)
         value = canonical_number(token)[0]
-        if value is None:
+        if value is None or len(found) >= limit:  # more numbers than the oracle's: no need to read on
             return None
         found.append((token, value))
     return found
@@ -480,7 +481,8 @@ def _numbers(text: str, read: str) -> list[tuple[str, Fraction]] | None:
 def within_stated_precision(generator: str, answer: str, entry: dict[str, Any]) -> bool:
     """Every number of ``answer`` is within half a unit of the stated precision of the oracle's number."""
     read = _TOLERANCE_READ[generator]
-    answers, oracles = _numbers(answer, read), _numbers(str(entry["answer"]), read)
+    oracles = _numbers(str(entry["answer"]), read)
+    answers = _numbers(answer, read, limit=len(oracles)) if oracles else None
     if not answers or not oracles or len(answers) != len(oracles):
         return False
     question = str(entry.get("question", ""))
