@@ -238,3 +238,41 @@ def test_adversarial_inputs_parse_in_linear_time_and_honest_items_keep_their_rew
     assert done.returncode == 0, done.stderr[-3000:]
     attacks, honest = json.loads(done.stdout.strip().splitlines()[-1])
     assert attacks == [0.0] * (2 * len(STALLING)) and honest == [1.0] * 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# The reasoning-gym scorer program, now a module (evertrain/sandbox/rg_scorer.py): its guards, in-process
+
+
+def test_the_scorer_programs_hook_names_every_escape_in_evaluated_code():
+    from evertrain.sandbox import rg_scorer
+
+    def names(source: str) -> set[str]:
+        return set(rg_scorer._names(compile(source, "<answer>", "eval"), set()))
+
+    assert "__class__" in names("().__class__.__base__")
+    assert "_format_field" in names("'{0.gi_frame}'.format")  # a brace in a string constant
+    assert "open" in names("[open(x) for x in 'ab']")  # inside a nested code object
+    assert {"open", "getattr", "print", "format"} <= rg_scorer._BLOCKED_NAMES
+
+
+def test_the_scorer_program_rebuilds_only_allowlisted_plain_data():
+    from evertrain.sandbox import rg_scorer
+
+    assert rg_scorer._rebuild(["Add", ["Symbol", "x"], ["Integer", "1"]], ["x"]) == "x + 1"
+    for tree in (["Integral", ["Symbol", "x"], ["Symbol", "x"]], ["Symbol", "y"], ["Integer", 7], "x + 1"):
+        with pytest.raises(ValueError):
+            rg_scorer._rebuild(tree, ["x"])
+    entry = {"metadata": {"input": [[1, 2], [3, 4]]}}
+    rg_scorer._revive(entry, ["input"])
+    assert entry["metadata"]["input"] == ((1, 2), (3, 4))
+
+
+def test_the_scorer_program_is_the_module_the_environment_runs():
+    from pathlib import Path
+
+    from evertrain.envs import reasoning_gym
+    from evertrain.sandbox import rg_scorer
+
+    assert Path(rg_scorer.__file__).read_text() == reasoning_gym.SCORER_SOURCE
+    assert "SCORER_SOURCE = r'''" not in Path(reasoning_gym.__file__).read_text()

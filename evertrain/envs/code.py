@@ -325,7 +325,10 @@ class CodeEnvironment(FixedSplits, Environment):
                   ("stop_iteration", defining("raise StopIteration")),
                   ("stop_iteration", defining("raise StopAsyncIteration")),
                   ("generator_exit", defining("raise GeneratorExit")),
-                  ("restated", "```python\n" + "\n".join(problem.payload.get("tests", [])) + "\n```")]
+                  ("restated", "```python\n" + "\n".join(problem.payload.get("tests", [])) + "\n```"),
+                  ("non_finite", defining("return float('-inF')")), ("non_finite", defining("return float('1e9_99')")),
+                  # fences that stalled the old quadratic fence regexes: parsed in bounded time, earning 0
+                  ("stalling", "```" * 60_000), ("stalling", "```" + " " * 150_000 + "x")]
         if other is not None:
             cases += [("other_problem", good) for good in self.known_good(other)]
         return cases
