@@ -1142,9 +1142,12 @@ class ReasoningGym(Environment):
                 return Verdict.fail("wrong_answer", answer=answer[:200], rg_score=0.0, sandbox_runs=[])
             return Verdict.ok("correct", answer=answer[:200], rg_score=1.0, sandbox_runs=[])
         result = score_in_sandbox(generator, decoded, entry, config=config)
-        if result.score and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
+        # a tolerance fix takes back full credit only: a scorer's partial credit for a wrong value stands
+        checked = result.score == 1.0 if generator in TOLERANCE_FIXES else bool(result.score)
+        if checked and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
             result.detail["rg_score_before_fix"] = result.score
-            result.score, result.reason = 0.0, _FIX_REASONS.get(generator, "wrong_answer")
+            full = result.score == 1.0
+            result.score, result.reason = 0.0, _FIX_REASONS.get(generator, "wrong_answer") if full else "wrong_answer"
         detail: dict[str, Any] = {"answer": answer[:200], "rg_score": result.score, **result.detail}
         if generator != self.generator:
             detail["generator"] = generator
