@@ -5,6 +5,11 @@ or ``\\boxed{<answer>}`` on its last non-empty line, and that answer equals the 
 numeric normalization (thousands commas, trailing zeros, ``-0``, a leading ``$``). Several markers,
 a hedge ("70 or 71"), or a list of numbers earn 0: a policy under RL pressure would otherwise learn to
 spray candidates.
+
+Numbers are read by one canonical rule (:func:`canonical_number`; :func:`number_hazard` for the numbers
+inside a longer answer), used by every environment before any scorer sees a value: any spelling of a
+digit or sign is the same value, any spelling of nan or inf is refused, and the digit and magnitude
+bounds are checked on the whole value, however its exponent is written, before anything is built.
 """
 
 from __future__ import annotations

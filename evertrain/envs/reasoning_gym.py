@@ -41,10 +41,11 @@ the sympy-based scorers get the answer as a plain-data tree from a first sandbox
 (``mode: reduce``), rebuilt from an allowlist of constructors in the second.
 
 Scoring in the sandbox (:func:`score_in_sandbox`). One sandboxed Python process per grade runs
-:data:`SCORER_SOURCE` with a JSON request on stdin: a fresh random nonce, the generator's module, the
-config, the answer and the item. It imports only that generator's module (not the ``reasoning_gym``
-package, whose ``__init__`` imports all 106 generators and costs about a second), builds the dataset,
-and calls ``score_answer``. Before it does, the scorer process
+:data:`SCORER_SOURCE` (the program :mod:`evertrain.sandbox.rg_scorer`) with a JSON request on stdin: a
+fresh random nonce, the generator's module, the config, the answer and the item. It imports only that
+generator's module (not the ``reasoning_gym`` package, whose ``__init__`` imports all 106 generators and
+costs about a second), builds the dataset, and calls ``score_answer``. Before it does, the scorer
+process
 
 - moves its stdout to /dev/null and keeps the real one on a private descriptor, so nothing the scorer
   or the answer prints reaches the channel the grade is read from;
