@@ -282,3 +282,31 @@ def test_the_scorer_program_is_the_module_the_environment_runs():
 
     assert Path(rg_scorer.__file__).read_text() == reasoning_gym.SCORER_SOURCE
     assert "SCORER_SOURCE = r'''" not in Path(reasoning_gym.__file__).read_text()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The verifier self-test holds a known-bad case of each class
+
+
+def test_the_self_test_battery_holds_a_case_of_each_class():
+    from evertrain.envs import registry
+    from evertrain.envs.quality import bad_battery
+    from evertrain.envs.reasoning_gym import ReasoningGym
+
+    env = registry.get("arithmetic")
+    problem = env.problems("eval", 1, 0)[0]
+    cases = bad_battery(env, problem, None)
+    completions = {label: [c for lab, c in cases if lab == label] for label, _ in cases}
+    assert "#### n a n" in completions["non_finite"] and "#### 1e9_99" in completions["over_long_number"]
+    assert any(len(c) > 100_000 for c in completions["stalling"])
+    code = registry.get("mbpp")
+    assert "stalling" in {label for label, _ in code.known_bad(code.problems("eval", 1, 0)[0], None)}
+    for generator, label in (("decimal_arithmetic", "tolerance"), ("pool_matrix", "tolerance"),
+                             ("propositional_logic", "restated")):
+        rg = ReasoningGym(generator)
+        item = rg.problems("eval", 1, 0)[0]
+        found = [c for lab, c in rg.known_bad(item, None) if lab == label]
+        assert found, (generator, label)
+    logic = ReasoningGym("propositional_logic")
+    item = logic.problems("eval", 1, 0)[0]
+    assert any("¬¬" in c for lab, c in logic.known_bad(item, None) if lab == "restated")
