@@ -429,7 +429,7 @@ RG_WEAK = [
     ("polynomial_multiplication", "simplify(expand({polynomial_expr}))", "answer_not_plain_expression"),
     ("polynomial_multiplication", "({polynomial_expr}).expand()", "answer_not_plain_expression"),
     # a premise of the question restated as the conclusion
-    ("propositional_logic", "{premise}", "wrong_answer"),
+    ("propositional_logic", "{premise}", "restates_premises"),
 ]
 
 

@@ -69,8 +69,37 @@ REASONS: dict[str, str] = {
 # 5.2 CPU-seconds bare on this repository's machine: 10 leaves it room, 30 s of wall clock room under load
 GRADE_LIMITS = Limits(timeout_s=30.0, cpu_s=10)
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)\Z", re.DOTALL | re.IGNORECASE)
+# The info string of an opening fence: its tag, and the header of a fence left open (possessive: each
+# character is read once). Fences are found with str.find loops, linear in the completion: the old
+# regexes (a lazy body per opening, two adjacent [ \t]*) took minutes on a 200k-character reply.
+_FENCE_TAG = re.compile(r"[ \t]*+([A-Za-z0-9_+-]*+)")
+_OPEN_HEADER = re.compile(r"[ \t]*+(?:python3?|py)?+[ \t]*+\n", re.IGNORECASE)
+
+
+def fenced_blocks(completion: str) -> list[tuple[str, str]]:
+    """Every closed fenced block, left to right: (tag, body). The body runs from the line after the
+    opening ``` to the next ```; an opening with no newline or no closing after it ends the search."""
+    blocks: list[tuple[str, str]] = []
+    position = 0
+    while (start := completion.find("```", position)) != -1:
+        newline = completion.find("\n", start + 3)
+        close = completion.find("```", newline + 1) if newline != -1 else -1
+        if close == -1:
+            break  # every later opening would need a newline and a closing after this one's
+        tag = _FENCE_TAG.match(completion, start + 3, newline)
+        blocks.append((tag.group(1) if tag else "", completion[newline + 1:close]))
+        position = close + 3
+    return blocks
+
+
+def _open_fence_body(completion: str) -> str | None:
+    """The text after the first ``` whose line is a Python (or untagged) fence header, to the end."""
+    position = 0
+    while (start := completion.find("```", position)) != -1:
+        if header := _OPEN_HEADER.match(completion, start + 3):
+            return completion[header.end():]
+        position = start + 1
+    return None
 
 
 def extract_code(completion: str) -> str:
@@ -80,12 +109,12 @@ def extract_code(completion: str) -> str:
     running to the end of the text.
     """
     python = ("", "python", "python3", "py")
-    blocks = [body for tag, body in _FENCE.findall(completion) if tag.lower() in python]
+    blocks = [body for tag, body in fenced_blocks(completion) if tag.lower() in python]
     if blocks:
         return blocks[-1].strip("\n")
-    unclosed = _OPEN_FENCE.search(completion)
-    if unclosed and "```" not in unclosed.group(1):
-        return unclosed.group(1).strip("\n")
+    unclosed = _open_fence_body(completion)
+    if unclosed is not None and "```" not in unclosed:
+        return unclosed.strip("\n")
     return completion.strip("\n")
 
 
@@ -296,7 +325,10 @@ class CodeEnvironment(FixedSplits, Environment):
                   ("stop_iteration", defining("raise StopIteration")),
                   ("stop_iteration", defining("raise StopAsyncIteration")),
                   ("generator_exit", defining("raise GeneratorExit")),
-                  ("restated", "```python\n" + "\n".join(problem.payload.get("tests", [])) + "\n```")]
+                  ("restated", "```python\n" + "\n".join(problem.payload.get("tests", [])) + "\n```"),
+                  ("non_finite", defining("return float('-inF')")), ("non_finite", defining("return float('1e9_99')")),
+                  # fences that stalled the old quadratic fence regexes: parsed in bounded time, earning 0
+                  ("stalling", "```" * 60_000), ("stalling", "```" + " " * 150_000 + "x")]
         if other is not None:
             cases += [("other_problem", good) for good in self.known_good(other)]
         return cases

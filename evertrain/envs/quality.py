@@ -2,8 +2,9 @@
 
 - ``validate``: the verifier self-test. An environment earns trust only if its known-good completions
   (``Environment.known_good``, by default the reference) earn 1, twice, and a battery of known-bad
-  ones earns exactly 0: empty, junk, ``nan``/``inf``, 0, 1, another problem's answer, the question's
-  own text or expression restated, hedges of several answers, over-long numbers (:func:`bad_battery`),
+  ones earns exactly 0: empty, junk, ``nan``/``inf`` in any spelling, 0, 1, another problem's answer, the
+  question's own text or expression restated, hedges of several answers, over-long numbers however
+  written, inputs that stalled quadratic parsers (:func:`bad_battery`),
   plus the environment's own (``Environment.known_bad``: for code, constant functions, another
   problem's solution, StopIteration, the tests restated, the classic harness hacks). `evertrain envs
   --validate` runs it for every environment; a campaign refuses an environment that fails it.
@@ -86,13 +87,22 @@ class NgramIndex:
 
 # Bump when the battery or a verifier changes: cached self-test verdicts (the store's env_validations,
 # keyed with it) are then redone instead of trusted.
-SELFTEST_VERSION = 2
+SELFTEST_VERSION = 3
 
 # Over-long numbers: a grader that converts them without a bound stalls (Decimal("1e999999999") is
 # instant, Fraction of it is not), and no oracle answer looks like them.
 OVERLONG_NUMBERS = ("9" * 5000, "1e999999999", "-1e-999999999", "1" + "0" * 20000, "0." + "0" * 20000 + "1",
-                    "1" * 4400 + "/7")
-NON_FINITE = ("nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e400")
+                    "1" * 4400 + "/7",
+                    # the same bound read on the whole value, however its exponent is spelled
+                    "1e9_99", "1E+0000999", "1e0000000099999999999", "10**999", "10\u2079\u2079\u2079",
+                    "\uff11e\uff19\uff19\uff19", "1" + "0" * 150 + "e200", "9_" * 200 + "9")
+NON_FINITE = ("nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e400",
+              # other spellings a scorer's float()/complex() reads as nan or inf
+              "-inF", "sNaN", "\uff4e\uff41\uff4e", "\u2212inf", "n a n", "+INFINITY")
+# Input that stalled the grading process's old quadratic parsing (a tool tag's blanks, fences, closing
+# tags, blanks before a number's exponent), in one completion (each grade of it may cost a sandbox run):
+# it must be graded in bounded time, and earn 0 (it ends on a wrong answer).
+STALLING = "<" + " " * 50_000 + "x " + "```" * 15_000 + " < / " * 8_000 + "1" + " " * 50_000 + "e"
 
 
 @dataclass
@@ -205,6 +215,7 @@ def bad_battery(env: Environment, problem: Problem, other: Problem | None) -> li
             completion = env.write_answer(answer)
             if completion is not None:
                 cases.append((label, completion))
+    cases.append(("stalling", f"{STALLING}\n#### {wrong}"))
     if oracle:
         cases += [("hedge", f"#### {oracle}\n#### {wrong}"), ("hedge", f"#### {wrong}\n#### {oracle}"),
                   ("hedge", f"\\boxed{{{oracle}}} \\boxed{{{wrong}}}"), ("hedge", "#### 0\n#### 1")]

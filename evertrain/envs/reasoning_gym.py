@@ -41,10 +41,11 @@ the sympy-based scorers get the answer as a plain-data tree from a first sandbox
 (``mode: reduce``), rebuilt from an allowlist of constructors in the second.
 
 Scoring in the sandbox (:func:`score_in_sandbox`). One sandboxed Python process per grade runs
-:data:`SCORER_SOURCE` with a JSON request on stdin: a fresh random nonce, the generator's module, the
-config, the answer and the item. It imports only that generator's module (not the ``reasoning_gym``
-package, whose ``__init__`` imports all 106 generators and costs about a second), builds the dataset,
-and calls ``score_answer``. Before it does, the scorer process
+:data:`SCORER_SOURCE` (the program :mod:`evertrain.sandbox.rg_scorer`) with a JSON request on stdin: a
+fresh random nonce, the generator's module, the config, the answer and the item. It imports only that
+generator's module (not the ``reasoning_gym`` package, whose ``__init__`` imports all 106 generators and
+costs about a second), builds the dataset, and calls ``score_answer``. Before it does, the scorer
+process
 
 - moves its stdout to /dev/null and keeps the real one on a private descriptor, so nothing the scorer
   or the answer prints reaches the channel the grade is read from;
@@ -88,7 +89,7 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from evertrain.envs.answers import extract_final_answer
+from evertrain.envs.answers import MAX_DIGITS, extract_final_answer, number_hazard
 from evertrain.envs.base import Environment, Problem, Split, Verdict, problem_id
 from evertrain.sandbox import Limits, SandboxRunRecord, run_python
 
@@ -261,16 +262,161 @@ def _exact_number(answer: str, entry: dict[str, Any]) -> bool:
     return value is not None and value == oracle
 
 
+_LOGIC_OPERATORS = {"↔": 0, "→": 1, "∨": 2, "∧": 3}  # precedence, lowest first, as reasoning-gym parses
+MAX_LOGIC_CHARS = 2000
+MAX_LOGIC_DEPTH = 100
+MAX_LOGIC_VARIABLES = 12  # truth tables of 4096 rows at most, as bit masks
+
+
+def logic_truth_table(text: str, variables: list[str]) -> int | None:
+    """The truth table of a propositional formula (``¬ ∧ ∨ → ↔``, parentheses, the given one-letter
+    variables) as a bit mask over all assignments, or None when it is not such a formula.
+
+    Parsed like reasoning-gym's ``parse_expr`` (``↔`` binds loosest, then ``→``, ``∨``, ``∧``; equal
+    operators group to the left) by a bounded, linear recursive descent; nothing is evaluated.
+    """
+    if len(text) > MAX_LOGIC_CHARS or not 0 < len(variables) <= MAX_LOGIC_VARIABLES:
+        return None
+    rows = 1 << len(variables)
+    full = (1 << rows) - 1
+    masks = {name: sum(1 << row for row in range(rows) if row >> i & 1) for i, name in enumerate(variables)}
+    tokens = [c for c in text if not c.isspace()]
+    position = 0
+
+    def combine(op: str, left: int, right: int) -> int:
+        if op == "∧":
+            return left & right
+        if op == "∨":
+            return left | right
+        if op == "→":
+            return (full ^ left) | right
+        return full ^ (left ^ right)
+
+    def binary(level: int, depth: int) -> int:
+        nonlocal position
+        if depth > MAX_LOGIC_DEPTH:
+            raise ValueError("too deep")
+        if level == len(_LOGIC_OPERATORS):
+            return unary(depth)
+        value = binary(level + 1, depth + 1)
+        while position < len(tokens) and _LOGIC_OPERATORS.get(tokens[position]) == level:
+            op = tokens[position]
+            position += 1
+            value = combine(op, value, binary(level + 1, depth + 1))
+        return value
+
+    def unary(depth: int) -> int:
+        nonlocal position
+        if position >= len(tokens):
+            raise ValueError("truncated")
+        token = tokens[position]
+        position += 1
+        if token == "¬":
+            if depth > MAX_LOGIC_DEPTH:
+                raise ValueError("too deep")
+            return full ^ unary(depth + 1)
+        if token == "(":
+            value = binary(0, depth + 1)
+            if position >= len(tokens) or tokens[position] != ")":
+                raise ValueError("unbalanced")
+            position += 1
+            return value
+        if token in masks:
+            return masks[token]
+        raise ValueError(f"unexpected {token!r}")
+
+    try:
+        value = binary(0, 0)
+    except ValueError:
+        return None
+    return value if position == len(tokens) else None
+
+
+def _logic_tables(entry: dict[str, Any]) -> tuple[list[str], list[int]] | None:
+    meta = entry.get("metadata") or {}
+    variables, premises = meta.get("variables"), meta.get("premises")
+    if not isinstance(variables, list) or not isinstance(premises, list) or not premises:
+        return None
+    variables = [v for v in variables if isinstance(v, str) and len(v) == 1]
+    tables = [logic_truth_table(str(p), variables) for p in premises]
+    return (variables, tables) if all(t is not None for t in tables) else None  # type: ignore[return-value]
+
+
+def premises_consistent(entry: dict[str, Any]) -> bool:
+    """Some assignment makes every premise true: from contradictory premises anything follows."""
+    found = _logic_tables(entry)
+    if found is None:
+        return False
+    conjunction = -1
+    for table in found[1]:
+        conjunction &= table
+    return conjunction != 0
+
+
+def _premise_conjunctions(tables: list[int]) -> set[int]:
+    """The truth tables of every conjunction of a non-empty set of the premises (each premise included)."""
+    found: set[int] = set()
+    for table in dict.fromkeys(tables):
+        found |= {table & other for other in found} | {table}
+    return found
+
+
 def _not_a_premise(answer: str, entry: dict[str, Any]) -> bool:
-    """A conclusion that is not just one of the premises restated (whitespace ignored)."""
+    """A conclusion that says something the premises do not already say as they stand: not equivalent
+    (same truth table) to any premise or any conjunction of premises, from consistent premises."""
     premises = entry.get("metadata", {}).get("premises") or []
     squeeze = "".join
-    return squeeze(answer.split()) not in {squeeze(str(p).split()) for p in premises}
+    if squeeze(answer.split()) in {squeeze(str(p).split()) for p in premises}:
+        return False
+    found = _logic_tables(entry)
+    if found is None or not premises_consistent(entry):
+        return False
+    table = logic_truth_table(answer, found[0])
+    return table is not None and table not in _premise_conjunctions(found[1])
+
+
+def logic_restatements(entry: dict[str, Any]) -> list[str]:
+    """Premises trivially transformed (double negation, doubled or extra parentheses, reordered or
+    repeated conjuncts): the self-test's known-bad conclusions."""
+    premises = [str(p) for p in (entry.get("metadata") or {}).get("premises") or []]
+    if not premises:
+        return []
+    found = []
+    for premise in dict.fromkeys(premises):
+        found += [f"¬¬{premise}", f"(({premise}))", f"({premise} ∧ {premise})", f"¬(¬{premise})"]
+    found.append(" ∧ ".join(f"({p})" for p in reversed(premises)))
+    return found
+
+
+def logic_reference(entry: dict[str, Any]) -> str | None:
+    """A conclusion the grade accepts: the item's example answer, unless it only restates premises (it
+    often does: '(Q ∧ Q)' from the premise Q); else a premise weakened by a disjunct that is neither a
+    tautology nor equivalent to any conjunction of premises."""
+    meta = entry.get("metadata") or {}
+    example = meta.get("example_answer")
+    if isinstance(example, str) and _not_a_premise(example, entry):
+        return example
+    found = _logic_tables(entry)
+    if found is None:
+        return None
+    variables, tables = found
+    full = (1 << (1 << len(variables))) - 1
+    conjunctions = _premise_conjunctions(tables)
+    for premise in dict.fromkeys(str(p) for p in meta["premises"]):
+        for variable in variables:
+            for literal in (variable, f"¬{variable}"):
+                candidate = f"({premise} ∨ {literal})"
+                table = logic_truth_table(candidate, variables)
+                if table is not None and table != full and table not in conjunctions:
+                    return candidate
+    return None
 
 
 SCORER_FIXES["propositional_logic"] = (
     "rg's scorer credits any non-trivial conclusion the premises entail, so a premise copied from the "
-    "question ('(Q → P)') scored 1.0. A conclusion that restates a premise now earns 0")
+    "question ('(Q → P)') scored 1.0, and so did the same premise transformed ('¬¬(Q → P)', '(P ∧ Q)' for "
+    "'(Q ∧ P)'). A conclusion equivalent (same truth table) to a premise or to a conjunction of premises "
+    "now earns 0, and items whose premises contradict each other are left out of the pool")
 _FIX_CHECKS["propositional_logic"] = _not_a_premise
 
 SCORER_FIXES["coin_flip"] = (
@@ -278,6 +424,107 @@ SCORER_FIXES["coin_flip"] = (
     "matched any oracle starting with 0 ('0.0009765625') for 1.0. Full credit now needs the oracle's number "
     "exactly (as a fraction)")
 _FIX_CHECKS["coin_flip"] = _exact_number
+
+# Scorers whose tolerance is looser than the precision the question asks for (or, where the question
+# states none, than the digits the generator wrote in its oracle): their full credit stands only if
+# every number of the answer is within half a unit of that precision's last digit of the oracle's
+# (:func:`within_stated_precision`). The self-test holds a case just outside that bound for each.
+TOLERANCE_FIXES: dict[str, str] = {
+    "decimal_arithmetic": "rg's scorer accepts |answer - oracle| <= 10**-max_num_decimal_places (0.001) while the "
+                          "question asks for 12 significant digits: '6.321' scored 1.0 for 6.32098837209",
+    "number_format": "rg's scorer accepts |answer - oracle| < 0.01 while the candidates are written to 3 decimals, "
+                     "so a number that is none of the candidates scored 1.0",
+    "number_sorting": "rg's scorer accepts each number within 1 of the oracle's while the numbers are written to "
+                      "one decimal: a sorted list of other numbers scored 1.0",
+    "pool_matrix": "rg's scorer accepts a relative error of 1% (np.allclose rtol=1e-2) while the question asks for "
+                   "2 decimal places: 8.07 scored as 8",
+}
+# how each reads the numbers of an answer: one number, or every number of a list or grid
+_TOLERANCE_READ: dict[str, str] = {"decimal_arithmetic": "one", "number_format": "one",
+                                   "number_sorting": "list", "pool_matrix": "list"}
+_SIGNIFICANT = re.compile(r"([0-9]{1,3})\s+significant\s+(?:digits|figures)", re.IGNORECASE)
+_DECIMAL_PLACES = re.compile(r"([0-9]{1,3})\s+decimal\s+places", re.IGNORECASE)
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def stated_unit(question: str, oracle_number: str) -> Fraction:
+    """One unit of the last digit the question asks for (its significant digits or decimal places), or,
+    where it states none, of the last digit the oracle number is written with."""
+    from decimal import Decimal
+
+    oracle = Decimal(oracle_number)
+    if match := _SIGNIFICANT.search(question):
+        leading = oracle.adjusted() if oracle else 0
+        return Fraction(10) ** (leading - int(match.group(1)) + 1)
+    if match := _DECIMAL_PLACES.search(question):
+        return Fraction(1, 10 ** int(match.group(1)))
+    exponent = oracle.as_tuple().exponent
+    return Fraction(10) ** exponent if isinstance(exponent, int) else Fraction(1)
+
+
+def _numbers(text: str, read: str, limit: int = 10_000) -> list[tuple[str, Fraction]] | None:
+    from evertrain.envs.answers import canonical_number, normalize_numeric_text
+
+    text = normalize_numeric_text(text)
+    if read == "one":
+        value = canonical_number(text.replace(",", ""))[0]
+        return None if value is None else [(text.replace(",", "").strip(), value)]
+    found = []
+    for match in _PLAIN_NUMBER.finditer(text):
+        token = match.group(0)
+        value = canonical_number(token)[0]
+        if value is None or len(found) >= limit:  # more numbers than the oracle's: no need to read on
+            return None
+        found.append((token, value))
+    return found
+
+
+def within_stated_precision(generator: str, answer: str, entry: dict[str, Any]) -> bool:
+    """Every number of ``answer`` is within half a unit of the stated precision of the oracle's number."""
+    read = _TOLERANCE_READ[generator]
+    oracles = _numbers(str(entry["answer"]), read)
+    answers = _numbers(answer, read, limit=len(oracles)) if oracles else None
+    if not answers or not oracles or len(answers) != len(oracles):
+        return False
+    question = str(entry.get("question", ""))
+    return all(2 * abs(value - target) <= stated_unit(question, text)
+               for (_, value), (text, target) in zip(answers, oracles, strict=True))
+
+
+def just_outside_precision(generator: str, entry: dict[str, Any]) -> str | None:
+    """The oracle with its last number moved by 0.6 of the stated unit (outward, so a sorted list stays
+    sorted): the self-test's case just outside the tolerance, which the old scorers credited."""
+    read = _TOLERANCE_READ.get(generator)
+    oracle = entry.get("answer")
+    if read is None or not isinstance(oracle, str):
+        return None
+    numbers = _numbers(oracle, read)
+    if not numbers:
+        return None
+    text, value = numbers[-1]
+    step = Fraction(6, 10) * stated_unit(str(entry.get("question", "")), text)
+    descending = (entry.get("metadata") or {}).get("direction") == "descending"
+    moved = value - step if descending else value + step
+    written = _decimal_text(moved)
+    start = oracle.rfind(text)
+    return oracle[:start] + written + oracle[start + len(text):]
+
+
+def _decimal_text(value: Fraction) -> str:
+    """A terminating fraction (a sum of decimals) written out as a plain decimal."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as context:
+        context.prec = 60
+        return format(Decimal(value.numerator) / Decimal(value.denominator), "f").rstrip("0").rstrip(".") or "0"
+
+
+# the reason a fixed scorer's credit is taken back with (others: "wrong_answer")
+_FIX_REASONS: dict[str, str] = {"propositional_logic": "restates_premises"}
+for _name, _why in TOLERANCE_FIXES.items():
+    _FIX_REASONS[_name] = "outside_stated_precision"
+    SCORER_FIXES[_name] = _why
+    _FIX_CHECKS[_name] = lambda answer, entry, _name=_name: within_stated_precision(_name, answer, entry)
 
 # Scorers that evaluate what the answer says with sympy (parse_expr runs eval): their answers are
 # checked against a token allowlist here, reduced to a plain-data expression tree in one sandbox that
@@ -316,15 +563,15 @@ PUZZLE_TARGETS: dict[str, Callable[[dict[str, Any]], Fraction]] = {
 # keep its size): sympy could not integrate them, so the oracle answer is an unevaluated Integral.
 _ITEM_FILTERS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "intermediate_integration": lambda item: "Integral" not in str(item.get("answer")),
+    # premises that contradict each other entail every conclusion: no answer can be wrong
+    "propositional_logic": lambda item: premises_consistent(item),
 }
 
 # Bounds of the in-process checks: nothing of an answer is converted or evaluated before them.
 MAX_ANSWER_CHARS = 20_000
-MAX_NUMBER_DIGITS = 200
-MAX_EXPONENT = 299  # floats end at 1.8e308: past this a number is inf to a scorer that floats it
-_NON_FINITE = re.compile(r"(?<![A-Za-z])[+-]?(?:nan|inf(?:inity)?)(?![A-Za-z])", re.IGNORECASE)
-_DIGIT_RUN = re.compile(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}")
-_BIG_EXPONENT = re.compile(r"\d\.?\d*[eE][+-]?0*(\d{4,}|[3-9]\d\d)")  # an exponent past MAX_EXPONENT
+# Numbers in an answer are read by the one canonical rule (evertrain.envs.answers.number_hazard): any
+# spelling of nan or inf, and any number past the digit or value bounds however its exponent is spelled.
+MAX_NUMBER_DIGITS = MAX_DIGITS
 
 
 def expression_symbols(generator: str, entry: dict[str, Any]) -> list[str]:
@@ -343,17 +590,16 @@ def precheck(generator: str, answer: str, entry: dict[str, Any]) -> str | None:
     """Why ``answer`` earns 0 before any scorer sees it (None: let the scorer decide). Bounded work.
 
     Refused: an answer far longer than any oracle; a non-finite number (``nan``, ``inf``), which some
-    partial-credit formulas turn into full credit; a number with more than MAX_NUMBER_DIGITS digits or
-    an exponent past MAX_EXPONENT; for symbolic scorers, anything but a plain expression; for puzzles,
-    an expression that does not use exactly the puzzle's numbers.
+    partial-credit formulas turn into full credit, in any spelling; a number with more than MAX_DIGITS
+    digits or a value past 10**MAX_EXPONENT (:func:`evertrain.envs.answers.number_hazard`); for
+    symbolic scorers, anything but a plain expression; for puzzles, an expression that does not use
+    exactly the puzzle's numbers.
     """
     oracle = entry.get("answer") if isinstance(entry.get("answer"), str) else ""
     if len(answer) > max(MAX_ANSWER_CHARS, 20 * len(oracle)):
         return "answer_too_long"
-    if _NON_FINITE.search(answer) and not _NON_FINITE.search(oracle):
-        return "non_finite_answer"
-    if (_DIGIT_RUN.search(answer) and not _DIGIT_RUN.search(oracle)) or _BIG_EXPONENT.search(answer):
-        return "over_long_number"
+    if hazard := number_hazard(answer, oracle):
+        return hazard
     if generator in SYMBOLIC:
         allowed = set(expression_symbols(generator, entry)) | (_FUNCTIONS if SYMBOLIC[generator] == "expression"
                                                               else set())
@@ -491,6 +737,10 @@ REASONS: dict[str, str] = {
     "over_long_number": "a number with too many digits or too large an exponent (refused before scoring)",
     "answer_not_plain_expression": "a symbolic answer that is not a plain expression in the problem's variables",
     "puzzle_inputs_not_used": "the expression does not use exactly the puzzle's numbers, each once",
+    "outside_stated_precision": "the scorer's tolerance credited a number off by more than the precision the question "
+                                "states (see TOLERANCE_FIXES)",
+    "restates_premises": "a conclusion equivalent to a premise or a conjunction of premises, or drawn from "
+                         "premises that contradict each other",
     "not_exact": "a wrapped scorer's partial credit stands for no full answer: exact comparison failed",
     "answer_blocked": "evaluating the answer tried something the scorer's audit hook refuses (0 whatever the score)",
     "scorer_load_failed": "the generator's module or dataset could not be loaded in the sandbox",
@@ -587,267 +837,8 @@ def _entry(problem: Problem) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # The sandbox side
 
-# Runs inside the sandbox under `python -S` (standard library only until it extends sys.path).
-# Plain text, no f-strings with user data: the request comes as JSON on stdin.
-SCORER_SOURCE = r'''
-import os
-import sys
-
-_BLOCKED_NAMES = frozenset((
-    "eval", "exec", "compile", "open", "input", "breakpoint", "globals", "locals", "vars", "getattr",
-    "setattr", "delattr", "dir", "help", "exit", "quit", "print", "memoryview", "type", "super", "object",
-    "os", "sys", "gc", "io", "posix", "ctypes", "subprocess", "signal", "socket", "shutil", "pathlib",
-    "importlib", "builtins", "inspect", "types", "code", "codeop", "runpy", "pickle", "marshal", "threading",
-    "multiprocessing", "mmap", "resource", "pty", "operator", "functools", "system", "popen", "spawn",
-    "fork", "kill", "load_module", "get_objects", "modules", "f_back", "f_globals", "f_locals", "f_builtins",
-    "gi_frame", "gi_code", "cr_frame", "ag_frame", "tb_frame", "tb_next", "co_code", "mro",
-    "format", "format_map", "vformat", "Formatter", "Template", "attrgetter", "itemgetter", "methodcaller",
-))
-_BLOCKED_EVENTS = frozenset((
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-    "os.kill", "os.killpg", "signal.pthread_kill", "sys.settrace", "sys.setprofile", "sys._current_frames",
-    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "code.__new__",
-    "function.__new__",
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.addressof", "ctypes.cdata", "ctypes.call_function",
-    "ctypes.string_at", "ctypes.wstring_at", "mmap.__new__", "_thread.start_new_thread", "socket.__new__",
-    "builtins.input", "os.chmod", "os.remove", "os.rename", "os.truncate", "os.putenv",
-))
-
-
-def _names(code, seen):
-    seen.add(id(code))
-    yield from code.co_names
-    yield from code.co_varnames
-    for const in code.co_consts:
-        if hasattr(const, "co_names") and id(const) not in seen:
-            yield from _names(const, seen)
-        elif isinstance(const, str) and "{" in const:
-            # str.format fields walk attributes by name ("{0.gi_frame.f_back}") from inside a string
-            # constant, where co_names never shows them: a brace in evaluated code is refused outright
-            yield "_format_field"
-
-
-def _arm(blocked):
-    """From here on: refuse dangerous code compiled from strings (the answer) and dangerous events."""
-    def hook(event, args):
-        if event == "exec":
-            code = args[0]
-            if getattr(code, "co_filename", "<")[:1] != "<":
-                return  # a module's own file (an import): trusted, read-only code
-            for name in _names(code, set()):
-                if name.startswith("_") or name in _BLOCKED_NAMES:
-                    blocked.append("name " + name[:40])
-                    raise RuntimeError("blocked name")
-        elif event in _BLOCKED_EVENTS:
-            blocked.append(event)
-            raise RuntimeError("blocked event")
-        elif event == "open":
-            path, mode, flags = args
-            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(
-                (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC))
-            hidden = not isinstance(path, (str, bytes)) or os.fsdecode(path).startswith(("/proc", "/dev", "/sandbox"))
-            if writes or hidden:
-                blocked.append("open " + str(path)[:60])
-                raise RuntimeError("blocked open")
-    sys.addaudithook(hook)
-
-
-def _load(request):
-    for key, value in (("OPENBLAS_NUM_THREADS", "1"), ("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"),
-                       ("MPLBACKEND", "Agg"), ("MPLCONFIGDIR", "/tmp/matplotlib")):
-        os.environ[key] = value
-    sys.path.extend(request["site"])
-    import importlib
-    import types
-    for name in request["lazy"]:  # imported at module level, used only to generate problems: load on first use
-        stub = types.ModuleType(name)
-
-        def load(attr, name=name):
-            sys.modules.pop(name, None)
-            return getattr(importlib.import_module(name), attr)
-
-        stub.__getattr__ = load
-        sys.modules[name] = stub
-    base = request["package_dir"]
-    module = "reasoning_gym." + request["module"]
-    parts = module.split(".")
-    # the package __init__ files import every generator: stand empty packages in for them
-    for i in range(1, len(parts)):
-        name = ".".join(parts[:i])
-        if name not in sys.modules:
-            stub = types.ModuleType(name)
-            stub.__path__ = [os.path.join(base, *parts[1:i])]
-            sys.modules[name] = stub
-    coaching = types.ModuleType("reasoning_gym.coaching")
-    coaching.__path__ = [os.path.join(base, "coaching")]
-    sys.modules["reasoning_gym.coaching"] = coaching
-    for sub in ("attributes", "base_curriculum"):
-        loaded = importlib.import_module("reasoning_gym.coaching." + sub)
-        for key, value in vars(loaded).items():
-            if not key.startswith("_"):
-                setattr(coaching, key, value)
-    importlib.import_module(module)
-    from reasoning_gym.factory import DATASETS
-    dataset_cls, config_cls = DATASETS[request["generator"]]
-    return dataset_cls(config=config_cls(**request["config"]))
-
-
-_MAX_NODES = 2000
-
-
-def _reduce(request):
-    """The answer parsed by sympy, as a plain-data tree: [type name, *children] or [kind, text]."""
-    sys.path.extend(request["site"])
-    import sympy
-    symbols = {name: sympy.Symbol(name) for name in request["symbols"]}
-    expr = sympy.parse_expr(request["answer"], local_dict=symbols)
-    count = [0]
-
-    def walk(node):
-        count[0] += 1
-        if count[0] > _MAX_NODES:
-            raise ValueError("expression too large")
-        if node.is_Integer:
-            return ["Integer", str(int(node))]
-        if node.is_Rational:
-            return ["Rational", str(node.p), str(node.q)]
-        if node.is_Float:
-            return ["Float", str(node)]
-        if node.is_Symbol:
-            return ["Symbol", node.name]
-        return [type(node).__name__] + [walk(arg) for arg in node.args]
-
-    return walk(sympy.sympify(expr))
-
-
-def _rebuild(tree, symbol_names):
-    """The inverse of _reduce, from plain data only: an allowlist of sympy constructors, no parsing."""
-    import sympy
-    functions = {name: getattr(sympy, name) for name in (
-        "Add", "Mul", "Pow", "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot",
-        "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "exp", "log", "Abs")}
-    constants = {"Exp1": sympy.E, "Pi": sympy.pi, "ImaginaryUnit": sympy.I}
-    count = [0]
-
-    def build(node):
-        count[0] += 1
-        if count[0] > _MAX_NODES or not isinstance(node, list) or not node or not isinstance(node[0], str):
-            raise ValueError("not an expression tree")
-        kind, args = node[0], node[1:]
-        if kind in ("Integer", "Rational", "Float", "Symbol"):
-            if not all(isinstance(arg, str) and len(arg) <= 400 for arg in args):
-                raise ValueError("bad leaf")
-            if kind == "Integer":
-                return sympy.Integer(int(args[0]))
-            if kind == "Rational":
-                return sympy.Rational(int(args[0]), int(args[1]))
-            if kind == "Float":
-                return sympy.Float(args[0])
-            if args[0] not in symbol_names:
-                raise ValueError("unknown symbol")
-            return sympy.Symbol(args[0])
-        if kind in constants and not args:
-            return constants[kind]
-        if kind not in functions:
-            raise ValueError("not allowed: " + kind[:40])
-        return functions[kind](*[build(arg) for arg in args])
-
-    return str(build(tree))
-
-
-def _revive(entry, keys):
-    meta = entry.get("metadata")
-    for key in keys:
-        if isinstance(meta, dict) and isinstance(meta.get(key), list):
-            meta[key] = tuple(tuple(row) if isinstance(row, list) else row for row in meta[key])
-
-
-def main():
-    chunks = []
-    while True:
-        chunk = os.read(0, 1 << 20)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(0)
-    import json
-    request = json.loads(b"".join(chunks))
-    chunks = None
-    nonce = request.pop("nonce")
-    report_fd = os.dup(1)  # the only channel the grade is read from; the scorer's stdout goes nowhere
-    devnull = os.open("/dev/null", os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-
-    def report(kind, text):
-        os.write(report_fd, ("%s %s %s\n" % (nonce, kind, text)).encode())
-        os._exit(0)
-
-    if request.get("mode") == "reduce":
-        # Phase one of a symbolic grade: this process holds the answer and no oracle. It parses the
-        # answer (already checked against a token allowlist by the parent) and reports it as a plain
-        # data tree; the scoring process gets the tree, never the text.
-        try:
-            tree = _reduce(request)
-        except BaseException as error:
-            report("error", "answer_not_plain " + json.dumps(repr(error)[:300]))
-        report("tree", json.dumps(tree))
-    try:
-        dataset = _load(request)
-        entry, answer = request["entry"], request["answer"]
-        _revive(entry, request["revive"])
-        if request.get("tree") is not None:  # phase two: rebuild the answer from plain data, no eval
-            answer = _rebuild(request["tree"], request["symbols"])
-    except BaseException as error:
-        report("error", "scorer_load_failed " + json.dumps(repr(error)[:300]))
-    if request.get("literal_eval"):
-        # Scorers that eval() the answer to read a list (binary_matrix, n_queens, spiral_matrix,
-        # string_insertion) get a literal-only eval: the answer is decoded as data, never run.
-        # Some eval their own trusted data (bitwise_arithmetic evals the item's problem): strings of the
-        # item, collected before the answer is looked at, keep the real eval.
-        import ast
-        import builtins
-        trusted = set()
-
-        def collect(value):
-            if isinstance(value, str):
-                trusted.add(value)
-            elif isinstance(value, dict):
-                for item in value.values():
-                    collect(item)
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    collect(item)
-
-        collect(entry)
-        trusted.discard(answer)
-        real_eval = builtins.eval
-
-        def literal_eval(text, *args):
-            if type(text) is str and text in trusted:
-                return real_eval(text)
-            return ast.literal_eval(text)
-
-        builtins.eval = literal_eval
-    blocked = []
-    _arm(blocked)
-    try:
-        score = dataset.score_answer(answer, entry)
-    except BaseException as error:
-        if blocked:
-            report("blocked", json.dumps(blocked[:5]))
-        report("error", "scorer_raised " + json.dumps(repr(error)[:300]))
-    if blocked:
-        report("blocked", json.dumps(blocked[:5]))
-    try:
-        value = float(score)
-    except BaseException:
-        report("error", "scorer_bad_score " + json.dumps(type(score).__name__))
-    report("score", repr(value))
-
-
-main()
-'''
+# The scorer program (it runs inside the sandbox): evertrain/sandbox/rg_scorer.py
+SCORER_SOURCE = (Path(__file__).resolve().parent.parent / "sandbox" / "rg_scorer.py").read_text()
 
 
 @cache
@@ -1152,9 +1143,12 @@ class ReasoningGym(Environment):
                 return Verdict.fail("wrong_answer", answer=answer[:200], rg_score=0.0, sandbox_runs=[])
             return Verdict.ok("correct", answer=answer[:200], rg_score=1.0, sandbox_runs=[])
         result = score_in_sandbox(generator, decoded, entry, config=config)
-        if result.score and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
+        # a tolerance fix takes back full credit only: a scorer's partial credit for a wrong value stands
+        checked = result.score == 1.0 if generator in TOLERANCE_FIXES else bool(result.score)
+        if checked and generator in SCORER_FIXES and not _FIX_CHECKS[generator](decoded, entry):
             result.detail["rg_score_before_fix"] = result.score
-            result.score, result.reason = 0.0, "wrong_answer"
+            full = result.score == 1.0
+            result.score, result.reason = 0.0, _FIX_REASONS.get(generator, "wrong_answer") if full else "wrong_answer"
         detail: dict[str, Any] = {"answer": answer[:200], "rg_score": result.score, **result.detail}
         if generator != self.generator:
             detail["generator"] = generator
@@ -1171,7 +1165,9 @@ class ReasoningGym(Environment):
         entry = _entry(problem)
         generator, _ = self.scoring_generator(entry)
         answer = entry["answer"]
-        if answer is None and generator in _METADATA_SOLUTION:
+        if answer is None and generator == "propositional_logic":
+            answer = logic_reference(entry)
+        elif answer is None and generator in _METADATA_SOLUTION:
             solution = entry["metadata"].get(_METADATA_SOLUTION[generator])
             answer = solution if isinstance(solution, str) or solution is None else json.dumps(solution)
         if answer is None:
@@ -1199,9 +1195,14 @@ class ReasoningGym(Environment):
             restated += [f"expand({expression})", expression, f"simplify({expression})", f"({expression})*1"]
         for premise in meta.get("premises") or []:
             restated.append(str(premise))
+        restated += logic_restatements({"metadata": meta})
         if isinstance(meta.get("numbers"), list) and "target" in meta:
             restated += [str(meta["target"]), f"{meta['target']} + 0"]
-        return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated]
+        entry = _entry(problem)
+        generator, _ = self.scoring_generator(entry)
+        outside = just_outside_precision(generator, entry)
+        loose = [("tolerance", "#### " + encode_answer(generator, outside))] if outside else []
+        return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated] + loose
                 + [("hack", completion) for completion in self.hack_completions(problem)])
 
     def hack_completions(self, problem: Problem) -> list[str]:

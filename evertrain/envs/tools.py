@@ -74,7 +74,10 @@ from evertrain.sandbox.sql_worker import SqlWorker
 
 FINAL_MARKERS = ("####", "\\boxed{")
 MAX_TOOL_OUTPUT = 500  # characters of a tool's output the policy sees
-_FENCE = re.compile(r"\A\s*```[\w+-]*[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.DOTALL)
+# A fence's info string (``python``, ``py3`` ...). Every text step on a turn is linear in its length
+# (possessive quantifiers, str.find loops): a turn is parsed in the grading process, where a pattern
+# whose time grows with the square of its input stalls every item graded beside it.
+_FENCE_INFO = re.compile(r"[\w+-]*+[ \t]*+")
 
 Message = dict[str, Any]
 
@@ -102,9 +105,33 @@ class ToolOutput(ToolResult):
 # Parsing
 
 
-def _tag_pattern(names: Iterable[str]) -> re.Pattern[str] | None:
-    alternatives = "|".join(re.escape(name) for name in sorted(names, key=len, reverse=True))
-    return re.compile(rf"<\s*(/?)\s*({alternatives})\s*>", re.IGNORECASE) if alternatives else None
+def _tags(text: str, names: list[str]) -> list[tuple[int, int, bool, str]]:
+    """Every tool tag in ``text`` (``<name>``, ``< / NAME >``: spaces allowed, case ignored) as
+    (start, end, closing, name), in order. One pass of str.find: each character is looked at a
+    bounded number of times, whatever the text (a regex with adjacent ``\\s*`` was quadratic)."""
+    lowered = sorted({name.lower() for name in names}, key=len, reverse=True)
+    found: list[tuple[int, int, bool, str]] = []
+    size = len(text)
+    start = text.find("<")
+    while start != -1:
+        position = start + 1
+        while position < size and text[position].isspace():
+            position += 1
+        closing = position < size and text[position] == "/"
+        if closing:
+            position += 1
+            while position < size and text[position].isspace():
+                position += 1
+        for name in lowered:
+            if text[position:position + len(name)].lower() == name:
+                end = position + len(name)
+                while end < size and text[end].isspace():
+                    end += 1
+                if end < size and text[end] == ">":
+                    found.append((start, end + 1, closing, name))
+                    break
+        start = text.find("<", start + 1)
+    return found
 
 
 def _blocks(text: str, names: Iterable[str]) -> list[tuple[int, int, str, str, bool]]:
@@ -114,20 +141,19 @@ def _blocks(text: str, names: Iterable[str]) -> list[tuple[int, int, str, str, b
     malformed block spans only its opening tag.
     """
     canonical = {name.lower(): name for name in names}
-    pattern = _tag_pattern(canonical.values())
-    if pattern is None:
+    if not canonical:
         return []
-    tags = list(pattern.finditer(text))
+    tags = _tags(text, list(canonical))
     blocks = []
-    for i, tag in enumerate(tags):
-        if tag.group(1):
+    for i, (start, end, closing, lowered) in enumerate(tags):
+        if closing:
             continue  # a closing tag: consumed by its opening tag, or stray
-        name = canonical[tag.group(2).lower()]
+        name = canonical[lowered]
         after = tags[i + 1] if i + 1 < len(tags) else None
-        if after is not None and after.group(1) and after.group(2).lower() == name.lower():
-            blocks.append((tag.start(), after.end(), name, text[tag.end():after.start()], True))
+        if after is not None and after[2] and after[3] == lowered:
+            blocks.append((start, after[1], name, text[end:after[0]], True))
         else:
-            blocks.append((tag.start(), tag.end(), name, "", False))
+            blocks.append((start, end, name, "", False))
     return blocks
 
 
@@ -148,9 +174,21 @@ def has_final_answer(text: str, tools: Iterable[str] = ()) -> bool:
     return any(marker in outside for marker in FINAL_MARKERS)
 
 
+def _fenced_body(inner: str) -> str | None:
+    """The body of ``inner`` when it is one fenced block (```` ```info\\n...\\n``` ````, spaces around), else None."""
+    text = inner.strip()
+    newline = text.find("\n")
+    if not text.startswith("```") or not text.endswith("```") or newline == -1 or newline + 1 > len(text) - 3:
+        return None
+    if not _FENCE_INFO.fullmatch(text, 3, newline):
+        return None
+    body = text[newline + 1:len(text) - 3].rstrip(" \t")
+    return body[:-1] if body.endswith("\n") else body
+
+
 def _clean_input(inner: str) -> str:
-    if match := _FENCE.match(inner):
-        inner = match.group(1)
+    if (body := _fenced_body(inner)) is not None:
+        inner = body
     return textwrap.dedent(inner).strip("\n").rstrip()
 
 
