@@ -47,7 +47,8 @@ from fastapi import Request  # at module level: FastAPI resolves the handlers' (
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, now, open_store, to_json
-from evertrain.envs.base import Environment, Problem
+from evertrain.envs.base import Environment, Problem, ToolResult
+from evertrain.envs.tools import format_tool_result
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
 
@@ -369,8 +370,8 @@ class Endpoint:
                     content = (content + "\n" if content else "") + f"<{name}>\n{code}\n</{name}>"
                     draft.tool_calls.append({"name": name, "input": code, "from": "request"})
                     draft.tools.add(name)
-            elif role == "tool":
-                content = content.replace("<|", "< |")  # output cannot forge chat structure, as in training
+            elif role == "tool":  # as the rollout formats tool output: trimmed, cut at 500 characters, defused
+                content = format_tool_result(message.get("name") or "tool", ToolResult(output=content))
                 if draft.tool_calls:
                     draft.tool_calls[-1].setdefault("result", content)
             messages.append({"role": role, "content": content})
