@@ -80,6 +80,7 @@ def live(tmp_path_factory, models_dir):
     config = smoke_config_in(
         root, models_dir, name="live", environments=[{"name": "calculator", "weight": 1}],
         model={"path": str(root / "taught"), "rollout_dtype": "float32"}, torch_threads=1,
+        eval={"problems_per_env": 4, "sealed_problems": 4},
         serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2, "max_prompt_tokens": 1024,
                  "redaction": {"patterns": [r"\bACME-\d{4,}\b"]}})
     rt = get_runtime(config)
@@ -102,11 +103,11 @@ def _stored(server, sql: str, params: list | None = None):
     return server.endpoint.store.query(sql, params or [])
 
 
-def _wait_for(server, sql: str, params: list, timeout: float = 30.0):
+def _wait_for(server, sql: str, params: list, rows: int = 1, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         frame = _stored(server, sql, params)
-        if len(frame):
+        if len(frame) >= rows:
             return frame
         time.sleep(0.2)
     raise AssertionError(f"no rows for {sql} {params}")
@@ -246,6 +247,55 @@ def test_client_feedback_is_stored(live):
     rows = _stored(server, "SELECT * FROM trace_feedback WHERE trace_id = ?", [answer.id])
     assert rows["source"].tolist() == ["client"] and not bool(rows["passed"].iloc[0])
     assert "ops@example.com" not in rows["detail"].iloc[0]
+
+
+def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one(live):
+    """Traces of a fresh problem, of the gate's and of the sealed split's: curation (serving.curate_from_traces)
+    turns the failed fresh one into a training problem with its trace id, and drops the held-out ones."""
+    from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+
+    config, rt, server, client = live
+    env = rt.env("calculator")
+    gate_size = config.eval_size("calculator")
+    gate = env.problems("eval", gate_size, config.seed)[0]
+    sealed = env.sealed_problems("test", config.sealed_size("calculator"), config.seed, gate_size)[0]
+    fresh = {"question": "What is 123 * 456?", "answer": "56088"}
+    tasks = {"fresh": fresh, "gate": {"question": gate.prompt, "answer": gate.payload["answer"]},
+             "gate_payload": {"question": gate.prompt, **gate.payload},
+             "sealed": {"question": sealed.prompt, "answer": sealed.payload["answer"]}}
+    traces = {}
+    for name, problem in tasks.items():
+        # tool_choice none: the taught model still writes its memorized call, now as the final answer: a failure
+        answer = client.chat.completions.create(
+            model="live", messages=[{"role": "user", "content": problem["question"]}], tools=PYTHON,
+            tool_choice="none", temperature=0, max_tokens=40,
+            extra_body={"evertrain": {"env": "calculator", "problem": problem}})
+        traces[name] = answer.id
+    outcomes = _wait_for(server, "SELECT trace_id, passed FROM trace_feedback WHERE trace_id IN (?, ?, ?, ?)",
+                         list(traces.values()), rows=4)
+    assert not outcomes["passed"].any()
+
+    data = config.model_dump()
+    data["serving"].update(curate_from_traces=True, trace_problems=8)
+    curating = get_runtime(type(config).model_validate(data))
+    run_stage(curating, "curate", 0, STAGE_FUNCTIONS["curate"])
+    problems = curating.store.query("SELECT * FROM problems WHERE campaign = 'live' AND iteration = 0")
+    from_traces = problems[problems["payload"].str.contains('"provenance"')]
+    provenance = {json.loads(p)["provenance"]["trace_id"]: row for p, row in zip(
+        from_traces["payload"], from_traces.itertuples(index=False), strict=True)}
+    assert traces["fresh"] in provenance
+    row = provenance[traces["fresh"]]
+    payload = json.loads(row.payload)
+    assert row.prompt == fresh["question"] and payload["answer"] == "56088" and row.split == "train"
+    assert payload["provenance"]["passed"] is False and payload["provenance"]["outcome_source"] == "verifier"
+    for name in ("gate", "gate_payload", "sealed"):
+        assert traces[name] not in provenance, name
+    assert gate.id not in set(problems["problem_id"]) and sealed.id not in set(problems["problem_id"])
+    assert not {gate.prompt, sealed.prompt} & set(problems["prompt"])
+    metrics = json.loads(curating.store.query("SELECT metrics FROM stage_runs WHERE campaign = 'live' AND "
+                                              "iteration = 0 AND stage = 'curate'")["metrics"].iloc[0])
+    assert metrics["dropped_trace_contaminated"] >= 3 and metrics["trace_problems"] == len(from_traces)
+    assert metrics["trace_failures"] >= 1
 
 
 def test_hot_swap_under_a_concurrent_client(live):
