@@ -427,6 +427,9 @@ class ServingConfig(_Strict):
     compact_keep_seconds: float = Field(
         600.0, ge=0, description="Compaction deletes replaced files no snapshot younger than this needs "
         "(a reader's running query pins its snapshot).")
+    metrics_seconds: float = Field(
+        60.0, gt=0, description="How often the endpoint logs the live pass rate (per environment and tool, of the "
+        "served version) to MLflow, in a run named 'endpoint' of the campaign's experiment.")
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
     curate_from_traces: bool = Field(
         False, description="Curation also draws training problems from the endpoint's verifiable traces "

@@ -155,6 +155,9 @@ def test_chat_completion_with_a_tool_call_then_a_verified_answer(live):
     rates = live_pass_rates(server.endpoint.store, "live")
     row = rates[(rates["env"] == "calculator") & (rates["tools"] == "python") & (rates["model_version"] == 1)]
     assert int(row["requests"].iloc[0]) >= 1 and int(row["passed"].iloc[0]) >= 1
+    logged = server.endpoint.log_live_metrics()  # what the endpoint logs every serving.metrics_seconds
+    run = _rt.tracker.client.get_run(server.endpoint._metrics_run)
+    assert run.data.metrics["live_pass_rate/calculator/python"] == logged["live_pass_rate/calculator/python"] > 0
 
 
 def test_streaming_answer_names_its_version(live):
@@ -362,6 +365,47 @@ def test_hot_swap_under_a_concurrent_client(live):
     stored = _stored(server, "SELECT trace_id, model_version FROM traces").set_index("trace_id")["model_version"]
     assert all(int(stored[r[1]]) == r[4] for r in results)
     assert rt.tracker.alias("champion") == 1
+
+
+def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, tmp_path):
+    """`evertrain endpoint` in its own process (beside the test's endpoint, on the same store and registry):
+    it answers on its port, and a clean stop (Ctrl-C) writes the traces still queued."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    config, _rt, server, _client = live
+    path = tmp_path / "live.json"
+    data = config.model_dump(mode="json")
+    data["serving"]["trace_flush_seconds"] = 3600  # nothing is written before the stop: the stop must write it
+    path.write_text(json.dumps(data))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "endpoint", "--campaign", "live", "--config",
+                                str(path), "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok":
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = other.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert answer.model == "live@v1"
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "serving live@v1" in output
+    rows = _stored(server, "SELECT model_version, status FROM traces WHERE trace_id = ?", [answer.id])
+    assert rows["model_version"].tolist() == [1] and rows["status"].tolist() == ["ok"]
 
 
 def test_endpoint_deployment_is_registered(live, prefect_server):

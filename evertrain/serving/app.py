@@ -222,6 +222,9 @@ class Endpoint:
         self._envs: dict[str, Environment] = {}
         self._env_lock = threading.Lock()
         self.requests = 0
+        self._metrics_run: str | None = None
+        self._metrics_step = 0
+        self._stop_metrics = threading.Event()
 
     # --- life cycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,8 +234,45 @@ class Endpoint:
                                       compact_seconds=self.serving.compact_seconds,
                                       compact_keep_seconds=self.serving.compact_keep_seconds)
         self.champion.start()
+        if self.serving.trace:
+            threading.Thread(target=self._log_metrics_loop, name="evertrain-live-metrics", daemon=True).start()
+
+    def log_live_metrics(self) -> dict[str, float]:
+        """Log the served version's live pass rate per environment and tool to MLflow (run 'endpoint');
+        returns what was logged."""
+        from evertrain.serving.traces import live_pass_rates
+
+        served = self.champion.current
+        if served is None:
+            return {}
+        rates = live_pass_rates(self.store, self.config.name)
+        rates = rates[rates["model_version"] == served.version]
+        metrics = {"served_version": float(served.version)}
+        for row in rates.itertuples(index=False):
+            key = f"{row.env}/{row.tools or 'no_tool'}"
+            metrics[f"live_pass_rate/{key}"] = float(row.pass_rate)
+            metrics[f"live_requests/{key}"] = float(row.requests)
+        tracker = self.champion.tracker
+        if self._metrics_run is None:
+            self._metrics_run = tracker.client.create_run(
+                tracker.experiment_id, run_name="endpoint",
+                tags={"evertrain.campaign": self.config.name, "evertrain.endpoint": "true"}).info.run_id
+        self._metrics_step += 1
+        tracker.log_metrics(self._metrics_run, metrics, step=self._metrics_step)
+        return metrics
+
+    def _log_metrics_loop(self) -> None:
+        while not self._stop_metrics.wait(self.serving.metrics_seconds):
+            try:
+                self.log_live_metrics()
+            except Exception as error:  # MLflow or the store unavailable for a moment: the next round tries again
+                log.warning("endpoint: logging live metrics failed: %s", error)
 
     def stop(self) -> None:
+        self._stop_metrics.set()
+        if self._metrics_run is not None:
+            with contextlib.suppress(Exception):
+                self.champion.tracker.finish_run(self._metrics_run)
         self.champion.stop()
         self.graders.shutdown(wait=True)
         self.generator.shutdown(wait=True)
