@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, default=300, help="requests per round (default 300)")
     parser.add_argument("--traced", type=int, default=10_000, help="traced requests before counting files")
     parser.add_argument("--max-tokens", type=int, default=2, help="completion tokens per request (default 2)")
+    parser.add_argument("--flush-seconds", type=float, help="serving.trace_flush_seconds (default: the config's)")
     parser.add_argument("--output", default="endpoint", help="results file name under benchmarks/results/")
     args = parser.parse_args()
 
@@ -104,6 +105,8 @@ def main() -> None:
                      "artifacts": str(root / "mlflow" / "artifacts"), "checkpoints": str(root / "checkpoints")}
     # compaction only at the end, where it is measured
     data["serving"] = {"compact_seconds": 1e9}
+    if args.flush_seconds:
+        data["serving"]["trace_flush_seconds"] = args.flush_seconds
     config = type(load_config(None)).model_validate(data)
     get_runtime(config).ensure_started()
 

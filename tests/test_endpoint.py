@@ -200,6 +200,11 @@ def test_bad_input_gets_an_openai_error_and_a_stored_trace(live):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     seen["invalid_json"] = bad.headers[TRACE_HEADER]
 
+    huge = httpx.post(f"{url}/v1/chat/completions", json={"model": "live", "messages": [
+        {"role": "user", "content": "x" * 1_100_000}]}, timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    seen["request_too_large"] = huge.headers[TRACE_HEADER]
+
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.with_raw_response.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert unknown.value.body["code"] == "model_not_found" and "live" in unknown.value.body["message"]
@@ -233,7 +238,7 @@ def test_bad_input_gets_an_openai_error_and_a_stored_trace(live):
     for code, trace_id in seen.items():
         assert trace_id in by_id.index, code
         assert by_id.loc[trace_id, "error"].startswith(code)
-        assert by_id.loc[trace_id, "http_status"] in (400, 404)
+        assert by_id.loc[trace_id, "http_status"] in (400, 404, 413)
     # and the endpoint still answers
     assert client.chat.completions.create(model="live", messages=[{"role": "user", "content": "x"}],
                                           max_tokens=2).choices[0].message.content is not None

@@ -661,11 +661,16 @@ def create_app(endpoint: Endpoint) -> Any:
         endpoint.requests += 1
         headers = {TRACE_HEADER: draft.trace_id}
         try:
-            raw = await request.body()
-            if len(raw) > endpoint.serving.max_request_bytes:
-                draft.request = {"body_bytes": len(raw)}
-                raise ApiError(413, f"the request body is {len(raw)} bytes, above this endpoint's limit of "
-                               f"{endpoint.serving.max_request_bytes}", code="request_too_large")
+            limit = endpoint.serving.max_request_bytes
+            declared = request.headers.get("content-length", "")
+            # a body the client says is too large is refused unread; any other is read and measured
+            size = int(declared) if declared.isdigit() and int(declared) > limit else None
+            raw = b"" if size is not None else await request.body()
+            size = len(raw) if size is None else size
+            if size > limit:
+                draft.request = {"body_bytes": size}
+                raise ApiError(413, f"the request body is {size} bytes, above this endpoint's limit of {limit}",
+                               code="request_too_large")
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
