@@ -50,4 +50,8 @@ def test_writer_commits_in_batches_and_compaction_merges_files(tmp_path):
     rates = live_pass_rates(store, "c").set_index("model_version")
     assert rates.loc[1, "requests"] == 500 and rates.loc[1, "pass_rate"] == pytest.approx(0.75)
     assert rates.loc[1, "low"] < 0.75 < rates.loc[1, "high"]
+    from evertrain.report import format_live, live_pass_rate
+
+    lines = format_live(live_pass_rate(store, "c"))
+    assert lines[1].startswith("  calculator [python] v1: 0.750 [") and lines[1].endswith("over 500 requests")
     store.close()
