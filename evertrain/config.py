@@ -421,8 +421,8 @@ class ServingConfig(_Strict):
         256, ge=1, description="Traces are written in batches: when this many wait, or every trace_flush_seconds.")
     trace_flush_seconds: float = Field(
         5.0, gt=0, description="Longest a trace waits before its batch is written (one store commit per batch). A "
-        "commit costs about 50 ms of CPU whatever its size (measured here): every 1 s it cost a loaded 2-core "
-        "machine 28% of its requests per second (benchmarks/endpoint.py), so batches are larger by default.")
+        "commit costs about 50 ms of CPU whatever its size (measured here); flushed every 1 s, tracing was slower in "
+        "every round of benchmarks/endpoint.py on a loaded 2-core machine (medians 28% apart), so batches wait longer.")
     compact_seconds: float = Field(
         300.0, gt=0, description="How often the trace writer merges the store's small Parquet files "
         "(Store.compact), so batches do not pile up as files.")
