@@ -230,6 +230,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     mix, agent = mix_over_iterations(store, args.campaign), agent_metrics(store, args.campaign)
     refusal = last_refusal(store, args.campaign)
+    from evertrain.report import format_live, live_pass_rate
+
+    live = live_pass_rate(store, args.campaign)
     store.close()
     if not rows:
         print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
@@ -247,7 +250,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(share_line(rows))
         for s in summary:
             print(format_versus(s))
-        for line in format_refusal(refusal) + format_agent(agent) + format_mix(mix):
+        for line in format_refusal(refusal) + format_agent(agent) + format_mix(mix) + format_live(live):
             print(line)
     return 0
 
@@ -565,6 +568,17 @@ def build_parser() -> argparse.ArgumentParser:
         answer.add_argument("--show", action="store_true", help="print the evidence the form shows; answer nothing")
         answer.add_argument("--html", metavar="FILE", help="write the evidence as an HTML page; answer nothing")
         answer.set_defaults(func=cmd_approve if verb == "approve" else cmd_reject)
+
+    end = sub.add_parser("endpoint", help="serve the campaign's champion: OpenAI-compatible chat completions, "
+                         "hot-swapped on promotion, traced into the store")
+    end.add_argument("--campaign", required=True)
+    end.add_argument("--host", help="address to listen on (default: serving.host, 127.0.0.1)")
+    end.add_argument("--port", type=int, help="port (default: serving.port, 8000)")
+    end.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
+    end.add_argument("--store", help="store to find the campaign's config in")
+    end.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override one config value, e.g. --set serving.trace=false (repeatable)")
+    end.set_defaults(func=cmd_endpoint)
     return parser
 
 
@@ -594,6 +608,14 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 def cmd_reject(args: argparse.Namespace) -> int:
     return _answer(args, False)
+
+
+def cmd_endpoint(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from evertrain.serving.app import serve
+
+    serve(config, host=args.host, port=args.port)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -390,6 +390,73 @@ class RetentionConfig(_Strict):
         "versions' checkpoints from disk and MLflow after each promote. None: keep every version.")
 
 
+class RedactionConfig(_Strict):
+    """What the endpoint removes from requests and responses before a trace is stored (nothing unredacted is kept)."""
+
+    secrets: bool = Field(
+        True, description="Redact secrets: 'sk-...' API keys, GitHub/AWS/Slack tokens, 'Bearer ...' headers, private "
+        "key blocks, and the value after 'password', 'passwd', 'api_key', 'secret' or 'token' followed by ':' or '='.")
+    emails: bool = Field(True, description="Redact e-mail addresses.")
+    patterns: list[str] = Field(
+        default_factory=list, description="More regular expressions (Python syntax) to redact, e.g. "
+        "'\\b\\d{3}-\\d{2}-\\d{4}\\b' for US social security numbers; each whole match is replaced.")
+    replacement: str = Field("[REDACTED]", description="What each redacted match is replaced with.")
+
+    @field_validator("patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"redaction pattern {pattern!r} is not a valid regular expression: {error}") from None
+        return patterns
+
+
+class ServingConfig(_Strict):
+    """The endpoint that serves the champion (``evertrain endpoint``): OpenAI-compatible chat completions."""
+
+    host: str = Field("127.0.0.1", description="Address the endpoint listens on ('0.0.0.0': every interface).")
+    port: int = Field(8000, ge=0, le=65535, description="Port the endpoint listens on (0: any free port).")
+    poll_seconds: float = Field(
+        1.0, gt=0, le=60, description="How often the endpoint reads the champion alias from the registry; a "
+        "promotion or rollback is served this long (plus the new weights' load time) after it happens.")
+    max_prompt_tokens: int = Field(
+        4096, ge=1, description="Longest prompt accepted (tokens after the chat template); longer ones get a 400 "
+        "'context_length_exceeded' error.")
+    max_tokens: int = Field(
+        1024, ge=1, description="Most completion tokens one request may ask for (max_tokens above it: a 400 error).")
+    max_request_bytes: int = Field(
+        1_000_000, ge=1024, description="Largest request body accepted (bytes); larger ones get a 413 error.")
+    trace: bool = Field(True, description="Store every request as a trace in the store's 'traces' table.")
+    trace_batch_rows: int = Field(
+        256, ge=1, description="Traces are written in batches: when this many wait, or every trace_flush_seconds.")
+    trace_flush_seconds: float = Field(
+        5.0, gt=0, description="Longest a trace waits before its batch is written (one store commit per batch). A "
+        "commit costs about 50 ms of CPU whatever its size (measured here); flushed every 1 s, tracing was slower in "
+        "every round of benchmarks/endpoint.py on a loaded 2-core machine (medians 28% apart), so batches wait longer.")
+    compact_seconds: float = Field(
+        300.0, gt=0, description="How often the trace writer merges the store's small Parquet files "
+        "(Store.compact), so batches do not pile up as files.")
+    compact_keep_seconds: float = Field(
+        600.0, ge=0, description="Compaction deletes replaced files no snapshot younger than this needs "
+        "(a reader's running query pins its snapshot).")
+    metrics_seconds: float = Field(
+        60.0, gt=0, description="How often the endpoint logs the live pass rate (per environment and tool, of the "
+        "served version) to MLflow, in a run named 'endpoint' of the campaign's experiment.")
+    redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    curate_from_traces: bool = Field(
+        False, description="Curation also draws training problems from the endpoint's verifiable traces "
+        "(failures first), each with its trace id as provenance (evertrain.serving.trace_source).")
+    trace_problems: int = Field(
+        8, ge=0, description="Most trace problems added per iteration when curate_from_traces is on.")
+    trace_success_share: float = Field(
+        0.25, ge=0, le=1, description="Share of the trace problems taken from passed traces (the rest from "
+        "failures), so training keeps some problems the model already solves.")
+    trace_window_hours: float = Field(
+        168.0, gt=0, description="Only traces this recent are turned into training problems.")
+
+
 class PathsConfig(_Strict):
     """Where state lives. Relative paths are resolved against the working directory."""
 
@@ -436,6 +503,7 @@ class CampaignConfig(_Strict):
     paths: PathsConfig = Field(default_factory=PathsConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     prices: PricesConfig = Field(default_factory=PricesConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)

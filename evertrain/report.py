@@ -359,3 +359,27 @@ def format_agent(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['tool_call_rate']:.3f}, turns per solved problem "
             f"{'-' if r['turns_per_solved'] is None else format(r['turns_per_solved'], '.2f')}, rework "
             f"{r['rework']:.3f} per episode, on {r['problems']} held-out problems" for r in rows]
+
+
+def live_pass_rate(store: Store, campaign: str) -> list[dict[str, Any]]:
+    """The endpoint's live pass rate per environment, tool and model version (evertrain.serving.traces)."""
+    import duckdb
+
+    from evertrain.serving.traces import live_pass_rates
+
+    try:
+        return live_pass_rates(store, campaign).to_dict("records")
+    except duckdb.Error:  # a store written before the traces tables existed, opened read-only
+        return []
+
+
+def format_live(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per environment, tool and version: traces with an outcome, pass rate and its 95% interval."""
+    if not rows:
+        return []
+    lines = ["live pass rate (endpoint traces with an outcome):"]
+    for r in rows:
+        tools = r["tools"] or "no tool"
+        lines.append(f"  {r['env']} [{tools}] v{r['model_version']}: {r['pass_rate']:.3f} "
+                     f"[{r['low']:.3f}, {r['high']:.3f}] over {int(r['requests'])} requests")
+    return lines

@@ -124,3 +124,25 @@ def deploy(configs: list[CampaignConfig], *, pool: str, interval: float | None =
         deployment = build_deployment(config, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
         ids.append(deployment.apply(work_pool_name=pool))
     return ids
+
+
+def build_endpoint_deployment(config: CampaignConfig, *, host: str | None = None, port: int | None = None) -> Any:
+    """The Prefect deployment of ``config``'s endpoint (evertrain.serving): run it once, it serves until cancelled.
+
+    No schedule: a run is started from the UI, the API or ``prefect deployment run 'endpoint/endpoint-<name>'``.
+    A concurrency limit of one keeps a second endpoint of the campaign from starting on the same port.
+    """
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    from evertrain.serving.flow import endpoint_flow
+
+    return endpoint_flow.to_deployment(
+        name=f"endpoint-{config.name}",
+        parameters={"config": config.resolved().model_dump(mode="json"), "host": host, "port": port},
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+        description=f"evertrain endpoint of campaign {config.name!r}: OpenAI-compatible chat completions from its "
+                    "champion, hot-swapped on promotion, traced into the store.",
+        tags=["evertrain", "endpoint", f"campaign:{config.name}"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )

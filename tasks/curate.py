@@ -146,6 +146,10 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         kept = select(rt, iteration, env, candidates, share, taken, chosen, dropped)
         rows += [problem_row(rt, iteration, env, p) for p in kept]
         metrics[f"problems_{spec.name}"] = len(kept)
+    if config.serving.curate_from_traces:  # the endpoint's verifiable traces, failures first (evertrain.serving)
+        from evertrain.serving.trace_source import trace_rows
+
+        rows += trace_rows(rt, iteration, taken, metrics)
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)
     metrics.update({f"dropped_{rule}": count for rule, count in dropped.items()})

@@ -150,11 +150,28 @@ CREATE TABLE IF NOT EXISTS approvals (    -- a person's answer to a promotion th
     flow_run_id VARCHAR, evidence VARCHAR,  -- the Markdown the reviewer was shown
     PRIMARY KEY (campaign, iteration)
 );
+
+-- the endpoint's requests (evertrain.serving), redacted before they are stored; written in batches. No key: a
+-- trace id is a fresh random id, so a batch is a plain insert (no delete scan of the growing table per batch)
+CREATE TABLE IF NOT EXISTS traces (
+    trace_id VARCHAR, campaign VARCHAR, model_version INTEGER, model VARCHAR,
+    env VARCHAR, problem_id VARCHAR, problem JSON,  -- the task, when the client named one (extra body 'evertrain')
+    request JSON, response JSON, tool_calls JSON, tools VARCHAR,  -- tools: the tool names used, comma-separated
+    status VARCHAR, http_status INTEGER, error VARCHAR, finish_reason VARCHAR,
+    latency_ms DOUBLE, prompt_tokens INTEGER, cached_tokens INTEGER, completion_tokens INTEGER, cost_usd DOUBLE,
+    created_at TIMESTAMPTZ
+);
+
+-- outcomes of traces: the environment's verifier (when the client named the task) or the client (POST /feedback)
+CREATE TABLE IF NOT EXISTS trace_feedback (
+    trace_id VARCHAR, campaign VARCHAR, source VARCHAR, passed BOOLEAN, reward DOUBLE, detail JSON,
+    created_at TIMESTAMPTZ
+);
 """
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
           "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples",
-          "approvals")
+          "approvals", "traces", "trace_feedback")
 
 
 def _keys_from_schema(schema: str) -> dict[str, tuple[str, ...]]:

@@ -1,0 +1,169 @@
+"""The endpoint's throughput and latency with tracing on and off, and the store's files after many traced requests.
+
+A tiny model (the test model: two layers, a few hundred thousand parameters, built from a config) is
+served by `evertrain.serving` on a real port; a concurrent client (threads sharing one official ``openai``
+client) sends short chat completions. Tracing on and off alternate in rounds on the same server (the
+trace writer is switched on and off between rounds), so a change in the machine's load hits both alike.
+Then ``--traced`` requests are sent with tracing on, and the store's data files are counted before and
+after compaction: the writer commits batches (one commit per ``serving.trace_batch_rows`` traces or per
+``serving.trace_flush_seconds``), never one per request.
+
+With a tiny model the time per request is mostly HTTP, JSON and the client, not the model: the worst case
+for tracing's share of the cost. A real model's generation makes that share smaller.
+
+    .venv/bin/python benchmarks/endpoint.py                   # the defaults: 4 clients, 3 rounds, 10,000 traced
+    .venv/bin/python benchmarks/endpoint.py --traced 1000     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import print_table, save
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def drive(client: Any, requests: int, clients: int, max_tokens: int) -> dict[str, Any]:
+    """``requests`` chat completions from ``clients`` threads; requests per second and latency percentiles (ms)."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    left = [requests]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            began = time.perf_counter()
+            try:
+                client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "What is 7 + 5?"}],
+                                               max_tokens=max_tokens)
+            except Exception as error:
+                with lock:
+                    failures.append(repr(error))
+                continue
+            with lock:
+                latencies.append((time.perf_counter() - began) * 1000)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - began
+    return {"requests": requests, "failed": len(failures), "wall_s": round(wall, 2),
+            "rps": round(len(latencies) / wall, 1), "p50_ms": round(_percentile(latencies, 50), 1),
+            "p90_ms": round(_percentile(latencies, 90), 1), "p99_ms": round(_percentile(latencies, 99), 1),
+            "mean_ms": round(statistics.fmean(latencies), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of tracing off then on (default 3)")
+    parser.add_argument("--per-round", type=int, default=300, help="requests per round (default 300)")
+    parser.add_argument("--traced", type=int, default=10_000, help="traced requests before counting files")
+    parser.add_argument("--max-tokens", type=int, default=2, help="completion tokens per request (default 2)")
+    parser.add_argument("--flush-seconds", type=float, help="serving.trace_flush_seconds (default: the config's)")
+    parser.add_argument("--output", default="endpoint", help="results file name under benchmarks/results/")
+    args = parser.parse_args()
+
+    os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
+    from evertrain.runtime import get_runtime, quiet_libraries
+
+    quiet_libraries()
+    import openai
+
+    from evertrain.config import load_config
+    from evertrain.models.tiny import build_tiny_model
+    from evertrain.serving.app import EndpointServer
+
+    root = Path(tempfile.mkdtemp(prefix="evertrain-endpoint-bench-"))
+    build_tiny_model(root / "models" / "tiny-llama")
+    data = load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.toml").model_dump()
+    data.update(name="bench", torch_threads=1, environments=[{"name": "arithmetic", "weight": 1}])
+    data["model"]["models_dir"] = str(root / "models")
+    data["paths"] = {"store": f"ducklake:sqlite:{root / 'evertrain.sqlite'}",
+                     "mlflow_uri": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
+                     "artifacts": str(root / "mlflow" / "artifacts"), "checkpoints": str(root / "checkpoints")}
+    # compaction only at the end, where it is measured
+    data["serving"] = {"compact_seconds": 1e9}
+    if args.flush_seconds:
+        data["serving"]["trace_flush_seconds"] = args.flush_seconds
+    config = type(load_config(None)).model_validate(data)
+    get_runtime(config).ensure_started()
+
+    with EndpointServer(config, port=0) as server:
+        endpoint = server.endpoint
+        writer = endpoint.writer
+        assert writer is not None
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        drive(client, 50, args.clients, args.max_tokens)  # warm-up
+        rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                endpoint.writer = writer if mode == "on" else None
+                rounds[mode].append(drive(client, args.per_round, args.clients, args.max_tokens))
+        endpoint.writer = writer
+        writer.flush(120)
+        summary = []
+        for mode, parts in rounds.items():
+            summary.append({"tracing": mode, "requests": sum(p["requests"] for p in parts),
+                            "failed": sum(p["failed"] for p in parts),
+                            "rps": round(statistics.median(p["rps"] for p in parts), 1),
+                            **{k: round(statistics.median(p[k] for p in parts), 1)
+                               for k in ("p50_ms", "p90_ms", "p99_ms")}})
+        cost = 1 - summary[1]["rps"] / summary[0]["rps"]
+
+        store = endpoint.store
+        before_traced = int(store.scalar("SELECT count(*) FROM traces"))
+        files_before = store.disk_usage()["files"]
+        commits_before = writer.commits
+        bulk = drive(client, args.traced, args.clients, args.max_tokens)
+        writer.flush(300)
+        traces = int(store.scalar("SELECT count(*) FROM traces")) - before_traced
+        files_traced = store.disk_usage()["files"]
+        began = time.perf_counter()
+        writer.compact(keep_seconds=0)
+        compact_s = time.perf_counter() - began
+        files_compacted = store.disk_usage()["files"]
+        files = {"traced_requests": args.traced, "traces_stored": traces, "failed": bulk["failed"],
+                 "commits": writer.commits - commits_before, "files_before": files_before,
+                 "files_after_requests": files_traced, "files_after_compaction": files_compacted,
+                 "compact_s": round(compact_s, 2), "rps": bulk["rps"], "p50_ms": bulk["p50_ms"],
+                 "p99_ms": bulk["p99_ms"], "batch_rows": config.serving.trace_batch_rows,
+                 "flush_seconds": config.serving.trace_flush_seconds}
+
+    print(f"\nendpoint, tiny model, {args.clients} concurrent clients, {args.max_tokens} completion tokens per request "
+          f"(median of {args.rounds} rounds of {args.per_round} requests each)")
+    print_table(summary, ["tracing", "requests", "failed", "rps", "p50_ms", "p90_ms", "p99_ms"])
+    print(f"tracing cost: {cost:+.1%} of requests per second")
+    print(f"\n{args.traced} traced requests: {traces} traces in {files['commits']} commits; store data files "
+          f"{files_before} -> {files_traced} after the requests -> {files_compacted} after compaction "
+          f"({compact_s:.1f} s)")
+    path = save(args.output, {"model": "tiny (tests' model: 2 layers, hidden 64, byte-level tokenizer)",
+                              "clients": args.clients, "max_tokens": args.max_tokens, "rounds": rounds,
+                              "summary": summary, "tracing_cost_rps": round(cost, 4), "files": files,
+                              "load_average_1m_at_end": os.getloadavg()[0]})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

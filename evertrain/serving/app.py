@@ -1,0 +1,801 @@
+"""The endpoint: OpenAI-compatible chat completions from the campaign's champion, hot-swapped on promotion.
+
+``POST /v1/chat/completions`` and ``GET /v1/models`` speak the OpenAI wire format, so the official
+``openai`` client (and anything built on it) works unchanged; ``POST /feedback`` takes a client's verdict
+on an answer; ``GET /health`` says which version is served.
+
+The champion
+    :class:`Champion` holds one reference to the served model (:class:`Served`: version, sampler,
+    tokenizer). A watcher thread reads the registry's ``champion`` alias every ``serving.poll_seconds``;
+    when it moves (a promotion, a rollback), the new version's weights are loaded in that thread, off the
+    request path, and the reference is replaced in one assignment. A request reads the reference once,
+    when it starts, and uses that model for everything it does: no request is answered by two versions,
+    none waits for a load, none fails because of one. The last two versions stay loaded, so a rollback
+    swaps back without loading anything.
+
+Tool calls
+    The model writes calls in the project's format (``<python>17 * 23</python>``, see
+    :mod:`evertrain.envs.tools`); the endpoint returns them as OpenAI ``tool_calls`` (function ``python``,
+    arguments ``{"input": "17 * 23"}``) and turns the client's ``tool_calls`` and ``role: tool`` messages back
+    into that format. Tools run at the client: the tool belongs to the deployment the model acts in (its
+    interface may change under the model, which is what the loop must learn from), and a server that runs
+    no tool runs no untrusted code beside the weights.
+
+Traces
+    Every request, the bad ones included, becomes one row of ``traces`` (redacted first, written in
+    batches by :class:`~evertrain.serving.traces.TraceWriter`). When the client names the task (the extra
+    body field ``evertrain: {"env": ..., "problem": {...}}``), the final answer is graded by that
+    environment's verifier in the background and the verdict stored in ``trace_feedback``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
+
+from evertrain.config import CampaignConfig
+from evertrain.data.store import Store, now, open_store, to_json
+from evertrain.envs.base import Environment, Problem, ToolResult
+from evertrain.envs.tools import format_tool_result
+from evertrain.serving.redact import Redactor
+from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
+
+log = logging.getLogger("evertrain.serving")
+
+MODEL_HEADER = "x-evertrain-model-version"
+TRACE_HEADER = "x-evertrain-trace-id"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 8
+
+
+class ApiError(Exception):
+    """A request the endpoint refuses, answered with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, *, code: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Served:
+    """One loaded model version: what a request uses from its start to its end."""
+
+    version: int
+    name: str  # "<campaign>@v<version>": the response's ``model`` field and header
+    sampler: Any
+    tokenizer: Any
+    on_gpu: bool
+    loaded_at: float = field(default_factory=time.time)
+
+
+class Champion:
+    """The served version, swapped by a watcher thread when the registry's champion alias moves."""
+
+    def __init__(self, config: CampaignConfig, store: Store, keep_loaded: int = 2) -> None:
+        from evertrain.runtime import Runtime
+        from evertrain.tracking import Tracker
+
+        self.config = config
+        self.tracker = Tracker(config)
+        # no campaign claim: the endpoint only reads the campaign's state, beside the process that trains it
+        self.rt = Runtime(config=config, store=store, tracker=self.tracker)
+        self.keep_loaded = keep_loaded
+        self._loaded: OrderedDict[int, Served] = OrderedDict()
+        self.current: Served | None = None
+        self.swaps: list[dict[str, Any]] = []
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Served:
+        """Load the champion now (so a bad config fails at start-up) and start watching the alias."""
+        version = self._champion_version()
+        self.current = self._load(version)
+        self._thread = threading.Thread(target=self._watch, name="evertrain-champion-watcher", daemon=True)
+        self._thread.start()
+        return self.current
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _champion_version(self) -> int:
+        version = self.tracker.alias("champion")
+        if version is None:
+            from evertrain.data.store import StoreError
+
+            raise StoreError(f"campaign {self.config.name!r} has no champion in the registry "
+                             f"({self.tracker.model_name}): run an iteration first")
+        return version
+
+    def _load(self, version: int) -> Served:
+        if version in self._loaded:
+            self._loaded.move_to_end(version)
+            return self._loaded[version]
+        from evertrain.models.policy import resolve_device
+        from evertrain.models.sampler import open_sampler
+
+        sampler, seconds = open_sampler(self.config, self.rt.checkpoint(version))
+        served = Served(version=version, name=f"{self.config.name}@v{version}", sampler=sampler,
+                        tokenizer=sampler.tokenizer, on_gpu=resolve_device(self.config.model.device).type == "cuda")
+        self._loaded[version] = served
+        while len(self._loaded) > self.keep_loaded:
+            self._loaded.popitem(last=False)  # requests still holding it keep it alive until they finish
+        log.info("endpoint: loaded %s in %.2f s", served.name, seconds)
+        return served
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.config.serving.poll_seconds):
+            try:
+                version = self._champion_version()
+                current = self.current
+                if current is not None and version == current.version:
+                    continue
+                began = time.perf_counter()
+                served = self._load(version)
+                self.current = served  # one reference assignment: atomic, requests already running keep theirs
+                self.swaps.append({"from": None if current is None else current.version, "to": version,
+                                   "load_s": time.perf_counter() - began, "at": time.time()})
+                self.last_error = None
+                log.info("endpoint: now serving %s", served.name)
+            except Exception as error:  # a registry hiccup or a bad checkpoint: keep serving what is loaded
+                self.last_error = f"{type(error).__name__}: {error}"
+                log.warning("endpoint: champion watcher: %s", self.last_error)
+
+
+@dataclass
+class Draft:
+    """A request's trace as it is being built (redacted when it is recorded)."""
+
+    trace_id: str
+    started: float
+    request: Any = None
+    served: Served | None = None
+    env: str | None = None
+    problem_id: str | None = None
+    problem: Any = None
+    response: Any = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tools: set[str] = field(default_factory=set)
+    status: str = "ok"
+    http_status: int = 200
+    error: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request in the project's terms."""
+
+    messages: list[dict[str, str]]
+    active_tools: list[str]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    env: Environment | None
+    problem: Problem | None
+
+
+class Endpoint:
+    """The endpoint's state: config, store, champion, trace writer, and the executors that do the work."""
+
+    def __init__(self, config: CampaignConfig) -> None:
+        from evertrain.models.policy import set_threads
+
+        self.config = config
+        self.serving = config.serving
+        set_threads(config.torch_threads)
+        self.store = open_store(config.paths.store)
+        self.champion = Champion(config, self.store)
+        self.redactor = Redactor(self.serving.redaction)
+        self.writer: TraceWriter | None = None
+        # one generation at a time: the sampler uses every torch thread already, and one model per request
+        # keeps each request's token and time accounting exact
+        self.generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evertrain-generate")
+        self.graders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="evertrain-grade")
+        self._envs: dict[str, Environment] = {}
+        self._env_lock = threading.Lock()
+        self.requests = 0
+        self._metrics_run: str | None = None
+        self._metrics_step = 0
+        self._stop_metrics = threading.Event()
+
+    # --- life cycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.serving.trace:
+            self.writer = TraceWriter(self.store, batch_rows=self.serving.trace_batch_rows,
+                                      flush_seconds=self.serving.trace_flush_seconds,
+                                      compact_seconds=self.serving.compact_seconds,
+                                      compact_keep_seconds=self.serving.compact_keep_seconds)
+        self.champion.start()
+        if self.serving.trace:
+            threading.Thread(target=self._log_metrics_loop, name="evertrain-live-metrics", daemon=True).start()
+
+    def log_live_metrics(self) -> dict[str, float]:
+        """Log the served version's live pass rate per environment and tool to MLflow (run 'endpoint');
+        returns what was logged."""
+        from evertrain.serving.traces import live_pass_rates
+
+        served = self.champion.current
+        if served is None:
+            return {}
+        rates = live_pass_rates(self.store, self.config.name)
+        rates = rates[rates["model_version"] == served.version]
+        metrics = {"served_version": float(served.version)}
+        for row in rates.itertuples(index=False):
+            key = f"{row.env}/{row.tools or 'no_tool'}"
+            metrics[f"live_pass_rate/{key}"] = float(row.pass_rate)
+            metrics[f"live_requests/{key}"] = float(row.requests)
+        tracker = self.champion.tracker
+        if self._metrics_run is None:
+            self._metrics_run = tracker.client.create_run(
+                tracker.experiment_id, run_name="endpoint",
+                tags={"evertrain.campaign": self.config.name, "evertrain.endpoint": "true"}).info.run_id
+        self._metrics_step += 1
+        tracker.log_metrics(self._metrics_run, metrics, step=self._metrics_step)
+        return metrics
+
+    def _log_metrics_loop(self) -> None:
+        while not self._stop_metrics.wait(self.serving.metrics_seconds):
+            try:
+                self.log_live_metrics()
+            except Exception as error:  # MLflow or the store unavailable for a moment: the next round tries again
+                log.warning("endpoint: logging live metrics failed: %s", error)
+
+    def stop(self) -> None:
+        self._stop_metrics.set()
+        if self._metrics_run is not None:
+            with contextlib.suppress(Exception):
+                self.champion.tracker.finish_run(self._metrics_run)
+        self.champion.stop()
+        self.graders.shutdown(wait=True)
+        self.generator.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.close()
+
+    # --- environments and tools --------------------------------------------------------------------
+    def env(self, name: str) -> Environment:
+        with self._env_lock:
+            if name not in self._envs:
+                spec = next((s for s in self.config.environments if s.name == name), None)
+                from evertrain.envs import registry
+
+                self._envs[name] = registry.get(name, **(spec.options if spec else {}))
+            return self._envs[name]
+
+    def known_tools(self, extra: Environment | None = None) -> set[str]:
+        """The tools the model was trained to call: those of the campaign's environments (and of a named one)."""
+        names: set[str] = set()
+        for spec in self.config.environments:
+            names |= set(self.env(spec.name).tools)
+        if extra is not None:
+            names |= set(extra.tools)
+        return names
+
+    # --- the chat request --------------------------------------------------------------------------
+    def parse(self, body: Any, draft: Draft) -> ChatRequest:
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}",
+                           code="invalid_body")
+        campaign = self.config.name
+        model = body.get("model")
+        served = draft.served
+        accepted = {campaign, f"{campaign}@champion"} | ({served.name} if served else set())
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' is required: name the campaign, e.g. "
+                           f"{campaign!r}", code="missing_model", param="model")
+        if model not in accepted:
+            raise ApiError(404, f"the model {model!r} does not exist here: this endpoint serves campaign "
+                           f"{campaign!r}'s champion ({', '.join(sorted(accepted))})",
+                           code="model_not_found", kind="not_found_error", param="model")
+        env, problem = self._task(body.get("evertrain"), draft)
+        active = self._tools(body, env, draft)
+        messages = self._messages(body.get("messages"), active, draft)
+        return ChatRequest(messages=messages, active_tools=active, max_tokens=self._max_tokens(body, env),
+                           temperature=_number(body, "temperature", self.config.generation.temperature, 0.0, 2.0),
+                           top_p=_number(body, "top_p", 1.0, 0.0, 1.0), n=self._n(body),
+                           seed=_optional_int(body, "seed"), stop=_stop(body.get("stop")),
+                           stream=bool(body.get("stream", False)),
+                           include_usage=bool((body.get("stream_options") or {}).get("include_usage", False)),
+                           env=env, problem=problem)
+
+    def _task(self, extra: Any, draft: Draft) -> tuple[Environment | None, Problem | None]:
+        """The task the client named (extra body field ``evertrain``), for the verified outcome."""
+        if extra is None:
+            return None, None
+        if not isinstance(extra, dict):
+            raise ApiError(400, "'evertrain' must be an object: {\"env\": ..., \"problem\": {...}} or "
+                           "{\"env\": ..., \"problem_id\": ...}", code="invalid_evertrain", param="evertrain")
+        name = extra.get("env")
+        if not isinstance(name, str):
+            raise ApiError(400, "'evertrain.env' must name an environment", code="invalid_evertrain",
+                           param="evertrain.env")
+        from evertrain.envs.registry import UnknownEnvironment
+
+        try:
+            env = self.env(name)
+        except UnknownEnvironment as error:
+            raise ApiError(400, str(error), code="unknown_env", param="evertrain.env") from None
+        draft.env = name
+        data = extra.get("problem")
+        if data is None and extra.get("problem_id") is not None:
+            data = self._stored_problem(name, str(extra["problem_id"]))
+        if data is None:
+            return env, None
+        try:
+            problem = env.parse_problem(data)
+        except (ValueError, KeyError, TypeError) as error:
+            raise ApiError(400, f"'evertrain.problem' is not a {name} problem: {error}", code="invalid_problem",
+                           param="evertrain.problem") from None
+        draft.problem, draft.problem_id = data, problem.id
+        return env, problem
+
+    def _stored_problem(self, env: str, problem_id: str) -> dict[str, Any]:
+        frame = self.store.query("SELECT prompt, payload FROM problems WHERE campaign = ? AND env = ? "
+                                 "AND problem_id = ? LIMIT 1", [self.config.name, env, problem_id])
+        if frame.empty:
+            raise ApiError(400, f"no {env} problem with id {problem_id!r} in campaign {self.config.name!r}",
+                           code="unknown_problem", param="evertrain.problem_id")
+        payload = json.loads(frame["payload"].iloc[0])
+        return {"prompt": frame["prompt"].iloc[0], "question": frame["prompt"].iloc[0], **payload}
+
+    def _tools(self, body: dict[str, Any], env: Environment | None, draft: Draft) -> list[str]:
+        """The tools whose calls are parsed from this request's answer (declared ones, else the named task's)."""
+        known = self.known_tools(env)
+        declared = body.get("tools")
+        if declared is not None and not isinstance(declared, list):
+            raise ApiError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           code="invalid_tools", param="tools")
+        names = []
+        for i, tool in enumerate(declared or []):
+            name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+            if not isinstance(name, str):
+                raise ApiError(400, f"tools[{i}] names no function", code="invalid_tools", param=f"tools[{i}]")
+            if name not in known:
+                raise ApiError(400, f"unknown tool {name!r}: the model was trained to call "
+                               f"{', '.join(sorted(known)) or 'no tools'}", code="unknown_tool", param=f"tools[{i}]")
+            names.append(name)
+        if body.get("tool_choice") == "none":
+            return []
+        if not names and env is not None:
+            names = list(env.tools)
+        draft.tools |= set(names)
+        return names
+
+    def _messages(self, raw: Any, active: list[str], draft: Draft) -> list[dict[str, str]]:
+        """OpenAI messages in the project's chat format (tool calls as tool blocks, tool output defused)."""
+        if not isinstance(raw, list) or not raw:
+            raise ApiError(400, "'messages' must be a non-empty list", code="invalid_messages", param="messages")
+        known = self.known_tools()
+        messages = []
+        for i, message in enumerate(raw):
+            where = f"messages[{i}]"
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                raise ApiError(400, f"{where} must be an object with a role among {', '.join(ROLES)}",
+                               code="invalid_messages", param=where)
+            role = "system" if message["role"] == "developer" else message["role"]
+            content = _text(message.get("content"), where)
+            if role == "assistant":
+                for call in message.get("tool_calls") or []:
+                    name, code = _client_call(call, where)
+                    if name not in known:
+                        raise ApiError(400, f"{where} calls unknown tool {name!r}: the model was trained to call "
+                                       f"{', '.join(sorted(known)) or 'no tools'}", code="unknown_tool", param=where)
+                    content = (content + "\n" if content else "") + f"<{name}>\n{code}\n</{name}>"
+                    draft.tool_calls.append({"name": name, "input": code, "from": "request"})
+                    draft.tools.add(name)
+            elif role == "tool":  # as the rollout formats tool output: trimmed, cut at 500 characters, defused
+                content = format_tool_result(message.get("name") or "tool", ToolResult(output=content))
+                if draft.tool_calls:
+                    draft.tool_calls[-1].setdefault("result", content)
+            messages.append({"role": role, "content": content})
+        return messages
+
+    def _max_tokens(self, body: dict[str, Any], env: Environment | None) -> int:
+        default = self.config.max_new_tokens(env.name) if env is not None else self.config.generation.max_new_tokens
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ApiError(400, f"'max_tokens' must be a positive integer, not {value!r}", code="invalid_value",
+                           param="max_tokens")
+        if value > self.serving.max_tokens:
+            raise ApiError(400, f"'max_tokens' = {value} is above this endpoint's limit of {self.serving.max_tokens}",
+                           code="invalid_value", param="max_tokens")
+        return value
+
+    def _n(self, body: dict[str, Any]) -> int:
+        n = body.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}, not {n!r}", code="invalid_value",
+                           param="n")
+        return n
+
+    # --- generation --------------------------------------------------------------------------------
+    def generate(self, request: ChatRequest, served: Served, draft: Draft) -> dict[str, Any]:
+        """Sample the answer with ``served`` (the one model this request sees) and build the response."""
+        from evertrain.envs.tools import parse_tool_call, stop_strings
+        from evertrain.models.policy import encode_chat
+
+        prompt = encode_chat(served.tokenizer, request.messages)
+        if len(prompt) > self.serving.max_prompt_tokens:
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens, above this endpoint's limit of "
+                           f"{self.serving.max_prompt_tokens} (serving.max_prompt_tokens)",
+                           code="context_length_exceeded", param="messages")
+        stops = (*stop_strings(request.active_tools), *request.stop)
+        seed = request.seed if request.seed is not None else uuid.uuid4().int & 0x7FFFFFFF
+        groups, stats = served.sampler.sample(
+            [prompt], request.n, max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-4),
+            top_p=request.top_p if request.top_p > 0 else 1.0, greedy=request.temperature == 0.0, seed=seed,
+            seeds=[seed], stop_strings=stops)
+        choices = []
+        for index, sample in enumerate(groups[0]):
+            text = sample.text
+            call = parse_tool_call(text, request.active_tools) if request.active_tools else None
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = "length" if sample.finish_reason == "length" else "stop"
+            if call is not None:
+                opening = re.search(rf"<\s*{re.escape(call.name)}\s*>", text, re.IGNORECASE)
+                before = text[:opening.start()].strip() if opening else ""
+                call_id = f"call_{uuid.uuid4().hex[:24]}"
+                message = {"role": "assistant", "content": before or None, "tool_calls": [{
+                    "id": call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps({"input": call.input})}}]}
+                reason = "tool_calls"
+                draft.tool_calls.append({"name": call.name, "input": call.input, "from": "response", "id": call_id})
+                draft.tools.add(call.name)
+            elif request.stop and sample.finish_reason == "stop_string":
+                for stop in request.stop:  # OpenAI leaves the stop sequence out of the text
+                    if text.endswith(stop):
+                        message["content"] = text[:-len(stop)]
+                        break
+            choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
+        draft.prompt_tokens = len(prompt)
+        draft.cached_tokens = int(stats.cached_prompt_tokens)
+        draft.completion_tokens = int(stats.completion_tokens)
+        draft.finish_reason = choices[0]["finish_reason"]
+        import torch
+
+        draft.cost_usd = request_cost(self.config, computed_tokens=len(prompt) - draft.cached_tokens
+                                      + draft.completion_tokens, cached_tokens=draft.cached_tokens,
+                                      forward_seconds=stats.forward_seconds, on_gpu=served.on_gpu,
+                                      threads=torch.get_num_threads())
+        return {
+            "id": draft.trace_id, "object": "chat.completion", "created": int(time.time()), "model": served.name,
+            "system_fingerprint": served.name, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": draft.completion_tokens,
+                      "total_tokens": len(prompt) + draft.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": draft.cached_tokens}},
+            "evertrain": {"trace_id": draft.trace_id, "model_version": served.version},
+        }
+
+    # --- outcomes and traces -----------------------------------------------------------------------
+    def grade(self, request: ChatRequest, response: dict[str, Any], trace_id: str) -> None:
+        """The verified outcome of a final answer to a named task (in the background, off the request)."""
+        if request.env is None or request.problem is None or request.n != 1:
+            return
+        choice = response["choices"][0]
+        if choice["finish_reason"] == "tool_calls":
+            return  # the episode goes on: the outcome is graded on the request that carries the final answer
+        self.graders.submit(self._grade, request, choice["message"].get("content") or "", trace_id)
+
+    def _grade(self, request: ChatRequest, answer: str, trace_id: str) -> None:
+        env, problem = request.env, request.problem
+        assert env is not None and problem is not None
+        try:
+            if hasattr(env, "verify_transcript"):
+                last_user = max(i for i, m in enumerate(request.messages) if m["role"] == "user") \
+                    if any(m["role"] == "user" for m in request.messages) else -1
+                turns = [*request.messages[last_user + 1:], {"role": "assistant", "content": answer}]
+                verdict = env.verify_transcript(problem, turns)
+            else:
+                verdict = env.verify(problem, answer)
+            row = feedback_row(trace_id, self.config.name, "verifier", verdict.passed, verdict.reward,
+                               {"reason": verdict.reason, **self.redactor.value(verdict.detail)})
+        except Exception as error:  # a verifier must not raise on an answer; if one does, say so as the outcome
+            row = feedback_row(trace_id, self.config.name, "verifier", False, 0.0,
+                               {"reason": "verifier_error", "error": self.redactor.text(str(error))[:500]})
+        if self.writer is not None:
+            self.writer.add_feedback(row)
+
+    def record(self, draft: Draft) -> None:
+        """Queue the trace of one request, redacted (the rule runs here, before anything is queued)."""
+        if self.writer is None:
+            return
+        served = draft.served
+        redact = self.redactor.value
+        self.writer.add_trace({
+            "trace_id": draft.trace_id, "campaign": self.config.name,
+            "model_version": None if served is None else served.version, "model": None if served is None else
+            served.name, "env": draft.env, "problem_id": draft.problem_id,
+            "problem": None if draft.problem is None else to_json(redact(draft.problem)),
+            "request": None if draft.request is None else to_json(redact(draft.request)),
+            "response": None if draft.response is None else to_json(redact(draft.response)),
+            "tool_calls": to_json(redact(draft.tool_calls)), "tools": ",".join(sorted(draft.tools)) or None,
+            "status": draft.status, "http_status": draft.http_status,
+            "error": None if draft.error is None else self.redactor.text(draft.error),
+            "finish_reason": draft.finish_reason, "latency_ms": (time.perf_counter() - draft.started) * 1000,
+            "prompt_tokens": draft.prompt_tokens, "cached_tokens": draft.cached_tokens,
+            "completion_tokens": draft.completion_tokens, "cost_usd": draft.cost_usd, "created_at": now()})
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ApiError(400, f"'{key}' must be a number from {low:g} to {high:g}, not {value!r}", code="invalid_value",
+                       param=key)
+    return float(value)
+
+
+def _optional_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{key}' must be an integer, not {value!r}", code="invalid_value", param=key)
+    return value & 0x7FFFFFFF
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", code="invalid_value",
+                       param="stop")
+    return tuple(stops)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(400, f"{where}.content: only text parts are supported", code="invalid_messages",
+                               param=f"{where}.content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts", code="invalid_messages",
+                   param=f"{where}.content")
+
+
+def _client_call(call: Any, where: str) -> tuple[str, str]:
+    """(tool name, input) of one of the client's ``tool_calls`` (arguments: {"input": ...} or a plain string)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, f"{where}.tool_calls: each call needs function.name", code="invalid_messages", param=where)
+    arguments = function.get("arguments", "")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: the string itself is the input
+            arguments = json.loads(arguments) if arguments.strip().startswith("{") else arguments
+    if isinstance(arguments, dict):
+        found = next((arguments[k] for k in ("input", "code", "query", "command", "expression") if k in arguments),
+                     None)
+        if found is None and len(arguments) == 1:
+            found = next(iter(arguments.values()))
+        arguments = found
+    if not isinstance(arguments, str):
+        raise ApiError(400, f"{where}.tool_calls: arguments must be {{\"input\": \"...\"}} or a string",
+                       code="invalid_messages", param=where)
+    return name, arguments
+
+
+# --- the ASGI application ------------------------------------------------------------------------------
+
+def create_app(endpoint: Endpoint) -> Any:
+    """The FastAPI application over ``endpoint`` (started and stopped with the server's life span)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        if endpoint.champion.current is None:
+            await asyncio.get_running_loop().run_in_executor(None, endpoint.start)
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, endpoint.stop)
+
+    app = FastAPI(title=f"evertrain endpoint: {endpoint.config.name}", lifespan=lifespan)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        return JSONResponse(ApiError(error.status_code, str(error.detail), code=code).body(), error.status_code)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        served = endpoint.champion.current
+        return {"status": "ok" if served else "loading", "model": served and served.name,
+                "version": served and served.version, "requests": endpoint.requests,
+                "trace_backlog": endpoint.writer.backlog() if endpoint.writer else 0,
+                "watcher_error": endpoint.champion.last_error}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = endpoint.champion.current
+        names = [endpoint.config.name] + ([served.name] if served else [])
+        created = int(served.loaded_at) if served else 0
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "evertrain"} for name in names]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        draft = Draft(trace_id=f"chatcmpl-{uuid.uuid4().hex}", started=time.perf_counter(),
+                      served=endpoint.champion.current)  # the one model this request will see
+        endpoint.requests += 1
+        headers = {TRACE_HEADER: draft.trace_id}
+        try:
+            limit = endpoint.serving.max_request_bytes
+            declared = request.headers.get("content-length", "")
+            # a body the client says is too large is refused unread; any other is read and measured
+            size = int(declared) if declared.isdigit() and int(declared) > limit else None
+            raw = b"" if size is not None else await request.body()
+            size = len(raw) if size is None else size
+            if size > limit:
+                draft.request = {"body_bytes": size}
+                raise ApiError(413, f"the request body is {size} bytes, above this endpoint's limit of {limit}",
+                               code="request_too_large")
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                draft.request = {"malformed_body": raw[:4000].decode("utf-8", "replace")}
+                raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+            draft.request = body
+            if draft.served is None:
+                raise ApiError(503, "the endpoint is still loading its model", code="model_loading",
+                               kind="service_unavailable")
+            headers[MODEL_HEADER] = draft.served.name
+            parsed = endpoint.parse(body, draft)
+            served = draft.served
+            response = await asyncio.get_running_loop().run_in_executor(
+                endpoint.generator, endpoint.generate, parsed, served, draft)
+            draft.response = response
+            endpoint.grade(parsed, response, draft.trace_id)
+            if parsed.stream:
+                return StreamingResponse(_sse(response, parsed.include_usage), media_type="text/event-stream",
+                                         headers=headers)
+            return JSONResponse(response, headers=headers)
+        except ApiError as error:
+            draft.status, draft.http_status, draft.error = "error", error.status, f"{error.code}: {error.message}"
+            return JSONResponse(error.body(), error.status, headers=headers)
+        except Exception as error:  # never a crash: the client gets an error body and the trace says what broke
+            log.exception("endpoint: request %s failed", draft.trace_id)
+            draft.status, draft.http_status = "error", 500
+            draft.error = f"internal_error: {type(error).__name__}: {error}"
+            return JSONResponse(ApiError(500, f"the endpoint failed: {type(error).__name__}: {error}",
+                                         code="internal_error", kind="server_error").body(), 500, headers=headers)
+        finally:
+            endpoint.record(draft)
+
+    @app.post("/feedback")
+    async def feedback(request: Request) -> Any:
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+            if not isinstance(body, dict) or not isinstance(body.get("trace_id"), str) or not body["trace_id"]:
+                raise ApiError(400, "'trace_id' is required (the 'id' of a chat completion)", code="invalid_feedback",
+                               param="trace_id")
+            if not isinstance(body.get("passed"), bool):
+                raise ApiError(400, "'passed' must be true or false", code="invalid_feedback", param="passed")
+            reward = body.get("reward", 1.0 if body["passed"] else 0.0)
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+                raise ApiError(400, "'reward' must be a number", code="invalid_feedback", param="reward")
+        except ApiError as error:
+            return JSONResponse(error.body(), error.status)
+        if endpoint.writer is not None:
+            endpoint.writer.add_feedback(feedback_row(
+                body["trace_id"], endpoint.config.name, "client", body["passed"], reward,
+                endpoint.redactor.value(body.get("detail"))))
+        return {"ok": True, "trace_id": body["trace_id"]}
+
+    return app
+
+
+async def _sse(response: dict[str, Any], include_usage: bool) -> Any:
+    """The whole answer as OpenAI stream chunks (generated first, then sent: no token-by-token streaming)."""
+    base = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
+    base["object"] = "chat.completion.chunk"
+    for choice in response["choices"]:
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
+        yield f"data: {json.dumps({**base, 'choices': [{'index': choice['index'], 'delta': delta}]})}\n\n"
+        done = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
+        yield f"data: {json.dumps({**base, 'choices': [done]})}\n\n"
+    if include_usage:
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': response['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# --- running it ----------------------------------------------------------------------------------------
+
+class EndpointServer:
+    """uvicorn serving :func:`create_app` in a background thread (tests, benchmarks, the Prefect flow)."""
+
+    def __init__(self, config: CampaignConfig, host: str | None = None, port: int | None = None) -> None:
+        import uvicorn
+
+        self.endpoint = Endpoint(config)
+        self.app = create_app(self.endpoint)
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host=host or config.serving.host, port=config.serving.port if port is None else port,
+            log_level="warning", access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="evertrain-endpoint", daemon=True)
+
+    def start(self, timeout: float = 300.0) -> EndpointServer:
+        self.endpoint.start()  # load the model here, so a bad config raises in the caller
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the endpoint's server did not start (is the port in use?)")
+            time.sleep(0.05)
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def __enter__(self) -> EndpointServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(config: CampaignConfig, host: str | None = None, port: int | None = None) -> None:
+    """Serve ``config``'s champion until interrupted (``evertrain endpoint``)."""
+    import uvicorn
+
+    endpoint = Endpoint(config)
+    endpoint.start()
+    served = endpoint.champion.current
+    host = host or config.serving.host
+    port = config.serving.port if port is None else port
+    print(f"evertrain endpoint: serving {served.name if served else '?'} at http://{host}:{port}/v1 "
+          f"(traces: {'on' if endpoint.writer else 'off'}); Ctrl-C stops it", flush=True)
+    uvicorn.run(create_app(endpoint), host=host, port=port, log_level="warning", access_log=False)

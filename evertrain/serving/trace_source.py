@@ -1,0 +1,138 @@
+"""Curation from traces: the endpoint's verifiable traces turned into training problems.
+
+A trace is verifiable when the client named its task (environment and problem) and it has an outcome:
+the environment's verifier's, else the client's feedback. With ``serving.curate_from_traces`` on, each
+iteration's curation adds up to ``serving.trace_problems`` of them: failures first (what the deployed
+model got wrong is what there is to learn), and ``serving.trace_success_share`` of the places for passed
+ones, so training keeps problems the model already solves; either side fills what the other lacks.
+
+They pass the same gates as curated problems: a problem already taken this iteration is a duplicate, and
+one that is any environment's held-out problem (the gate's or a sealed split's, by id, by its exact
+prompt, or for natural-language data sets by a shared word n-gram) is contaminated and never trained on,
+so a client that sends the gate's questions cannot leak them into training. Only environments of the
+campaign count. Each problem keeps its id (the content hash of the task, so one problem asked by many
+clients is trained on once) and carries its provenance in its payload: ``payload["provenance"] =
+{"source": "trace", "trace_id", "model_version", "passed", "outcome_source"}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import cache
+from typing import Any
+
+from evertrain.data.store import now
+from evertrain.envs.base import SEALED_SPLITS, Problem
+from evertrain.runtime import Runtime
+
+VERIFIABLE_SQL = """
+    SELECT t.trace_id, t.env, t.problem, t.model_version, t.created_at, o.passed, o.source
+    FROM traces t JOIN (
+        SELECT trace_id, passed, source, row_number() OVER (
+            PARTITION BY trace_id ORDER BY (source = 'verifier') DESC, created_at DESC) AS pick
+        FROM trace_feedback WHERE campaign = ?) o ON o.trace_id = t.trace_id AND o.pick = 1
+    WHERE t.campaign = ? AND t.env IS NOT NULL AND t.problem IS NOT NULL AND t.status = 'ok'
+      AND t.created_at >= ?
+    ORDER BY o.passed, t.created_at DESC, t.trace_id
+"""
+
+
+def _normal(prompt: str) -> str:
+    return " ".join(prompt.lower().split())
+
+
+@cache
+def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
+    """(environment, normalized prompt) of every held-out problem: a client may phrase the payload differently
+    (a content hash then differs), but the gate's question itself must never be trained on."""
+    from evertrain.config import CampaignConfig
+    from evertrain.runtime import get_runtime
+
+    config = CampaignConfig.model_validate_json(config_json)
+    rt = get_runtime(config)
+    held = set()
+    for spec in config.environments:
+        env, gate = rt.env(spec.name), config.eval_size(spec.name)
+        sealed = [p for split in SEALED_SPLITS
+                  for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
+        held |= {(spec.name, _normal(p.prompt)) for p in env.problems("eval", gate, config.seed) + sealed}
+    return frozenset(held)
+
+
+def trace_problems(rt: Runtime, taken: set[str], limit: int | None = None,
+                   dropped: dict[str, int] | None = None) -> list[Problem]:
+    """Up to ``limit`` (default ``serving.trace_problems``) training problems from verifiable traces, failures
+    first; ``taken`` (problem ids already chosen) grows with each one kept; ``dropped`` counts why others were not."""
+    from datetime import timedelta
+
+    from evertrain.tasks.curate import _held_out_index
+
+    serving = rt.config.serving
+    limit = serving.trace_problems if limit is None else limit
+    dropped = {} if dropped is None else dropped
+    if limit <= 0:
+        return []
+    since = now() - timedelta(hours=serving.trace_window_hours)
+    frame = rt.store.query(VERIFIABLE_SQL, [rt.campaign, rt.campaign, since])
+    held_ids, held_index = _held_out_index(rt.config.model_dump_json())
+    held_prompts = _held_prompts(rt.config.model_dump_json())
+    campaign_envs = {spec.name for spec in rt.config.environments}
+    want_passed = round(limit * serving.trace_success_share)
+    pools: dict[bool, list[Problem]] = {False: [], True: []}
+    seen: set[str] = set()
+    for row in frame.itertuples(index=False):
+        reason = None
+        if row.env not in campaign_envs:
+            reason = "trace_other_env"
+        else:
+            env = rt.env(row.env)
+            try:
+                data = json.loads(row.problem)
+                problem = env.parse_problem(data)
+                # the same task under the generator's own payload: its id is what the held-out set lists
+                raw = {k: v for k, v in data.items() if k not in ("prompt", "question")} \
+                    if isinstance(data, dict) else {}
+                ids = {problem.id, Problem.make(row.env, problem.prompt, raw).id}
+            except (ValueError, KeyError, TypeError):
+                reason = "trace_unparseable"
+            else:
+                if ids & held_ids or (row.env, _normal(problem.prompt)) in held_prompts or (
+                        not env.templated and held_index.overlaps(problem.prompt)):
+                    reason = "trace_contaminated"
+                elif problem.id in taken or problem.id in seen:
+                    reason = "trace_duplicate"
+        if reason is not None:
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
+        seen.add(problem.id)
+        provenance = {"source": "trace", "trace_id": row.trace_id, "model_version": _int(row.model_version),
+                      "passed": bool(row.passed), "outcome_source": row.source}
+        pools[bool(row.passed)].append(replace(problem, split="train",
+                                               payload={**problem.payload, "provenance": provenance}))
+    passed = pools[True][:want_passed]
+    failed = pools[False][:limit - len(passed)]
+    passed = pools[True][:limit - len(failed)]  # too few failures: successes fill the rest
+    chosen = failed + passed
+    taken.update(p.id for p in chosen)
+    return chosen
+
+
+def trace_rows(rt: Runtime, iteration: int, taken: set[str], metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``problems`` rows of this iteration's trace problems (curation's one call), with their counts in
+    ``metrics``: trace_problems, trace_failures and trace_dropped_<reason>."""
+    from evertrain.tasks.curate import problem_row
+
+    dropped: dict[str, int] = {}
+    chosen = trace_problems(rt, taken, dropped=dropped)
+    metrics["trace_problems"] = len(chosen)
+    metrics["trace_failures"] = sum(not p.payload["provenance"]["passed"] for p in chosen)
+    metrics.update({f"dropped_{reason}": count for reason, count in dropped.items()})
+    return [problem_row(rt, iteration, rt.env(p.env), p) for p in chosen]
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,427 @@
+"""The endpoint on a real port, with the official ``openai`` client, the real store and the real registry.
+
+The tiny model is first taught (in the test) one calculator tool episode, so that it really calls the
+``python`` tool and then answers; it is the campaign's champion v1. v2 is the untaught tiny model, so a
+promotion visibly changes what is served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from evertrain.envs.base import Problem
+from evertrain.envs.tools import PythonTool
+from evertrain.runtime import get_runtime
+from evertrain.serving.app import MODEL_HEADER, TRACE_HEADER, EndpointServer
+from evertrain.serving.traces import live_pass_rates
+from tests.conftest import smoke_config_in
+
+QUESTION = "What is 48213 * 7719?"
+ANSWER = "372156147"
+EPISODE = [{"role": "user", "content": QUESTION},
+           {"role": "assistant", "content": "<python>\n48213 * 7719\n</python>"},
+           {"role": "tool", "content": ANSWER},
+           {"role": "assistant", "content": f"#### {ANSWER}"}]
+PYTHON = [{"type": "function", "function": {"name": "python", "description": "Runs Python 3 in a sandbox",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"input": {"type": "string"}}}}}]
+TASK = {"env": "calculator", "problem": {"question": QUESTION, "answer": ANSWER}}
+
+
+def teach(model_dir: Path, out_dir: Path, messages: list[dict[str, str]], max_steps: int = 400) -> float:
+    """Overfit the tiny model on one chat (loss on the assistant turns) until it is reproduced; the final loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from evertrain.models.policy import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids, labels = [], []
+    for end in range(len(messages)):
+        prefix = tokenizer.apply_chat_template(messages[:end], tokenize=False) if end else ""
+        text = tokenizer.apply_chat_template(messages[:end + 1], tokenize=False)
+        piece = tokenizer(text[len(prefix):], add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if messages[end]["role"] == "assistant" else [-100] * len(piece)
+    x, y = torch.tensor([ids]), torch.tensor([labels])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread is several times faster for a model this small on a busy machine
+    try:
+        for _ in range(max_steps):
+            loss = model(input_ids=x, labels=y).loss
+            if loss.item() < 0.005:
+                break
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return loss.item()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, models_dir):
+    """A campaign whose champion v1 is the taught model (v2: the untaught one), served on a free port."""
+    root = tmp_path_factory.mktemp("endpoint")
+    assert teach(models_dir / "tiny-llama", root / "taught", EPISODE) < 0.005
+    config = smoke_config_in(
+        root, models_dir, name="live", environments=[{"name": "calculator", "weight": 1}],
+        model={"path": str(root / "taught"), "rollout_dtype": "float32"}, torch_threads=1,
+        eval={"problems_per_env": 4, "sealed_problems": 4},
+        serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2, "max_prompt_tokens": 1024,
+                 "redaction": {"patterns": [r"\bACME-\d{4,}\b"]}})
+    rt = get_runtime(config)
+    rt.ensure_started()
+    from evertrain.data.store import now
+    from evertrain.models.policy import write_base_checkpoint
+
+    other = write_base_checkpoint(root / "checkpoints" / "untaught", str(models_dir / "tiny-llama"))
+    version = rt.tracker.register(other, run_id=None, iteration=0)
+    rt.store.replace("model_versions", {"campaign": "live", "version": version}, [{
+        "campaign": "live", "version": version, "iteration": 0, "kind": "full", "path": rt.stored_path(other),
+        "parent_version": 1, "created_at": now()}])
+    with EndpointServer(config, port=0) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield config, rt, server, client
+
+
+def _stored(server, sql: str, params: list | None = None):
+    assert server.endpoint.writer.flush(60)
+    return server.endpoint.store.query(sql, params or [])
+
+
+def _wait_for(server, sql: str, params: list, rows: int = 1, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame = _stored(server, sql, params)
+        if len(frame) >= rows:
+            return frame
+        time.sleep(0.2)
+    raise AssertionError(f"no rows for {sql} {params}")
+
+
+def test_chat_completion_with_a_tool_call_then_a_verified_answer(live):
+    _config, _rt, server, client = live
+    messages = [{"role": "user", "content": QUESTION}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="live", messages=messages, tools=PYTHON, temperature=0, max_tokens=40, extra_body={"evertrain": TASK})
+    first = raw.parse()
+    assert raw.headers[MODEL_HEADER] == "live@v1" and first.model == "live@v1"
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "python" and json.loads(call.function.arguments) == {"input": "48213 * 7719"}
+
+    # the client runs the tool (here the project's own sandboxed Python tool) and sends its output back
+    result = PythonTool().run(json.loads(call.function.arguments)["input"], Problem.make("calculator", QUESTION, {}))
+    assert result.output.strip() == ANSWER
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": result.output}]
+    second = client.chat.completions.create(model="live", messages=messages, tools=PYTHON, temperature=0,
+                                            max_tokens=40, extra_body={"evertrain": TASK})
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.content.strip() == f"#### {ANSWER}"
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens > 0
+
+    traces = _stored(server, "SELECT * FROM traces WHERE trace_id IN (?, ?) ORDER BY created_at",
+                     [first.id, second.id])
+    assert traces["trace_id"].tolist() == [first.id, second.id]
+    assert (traces["model_version"] == 1).all() and (traces["status"] == "ok").all()
+    assert (traces["env"] == "calculator").all() and (traces["tools"] == "python").all()
+    assert (traces["prompt_tokens"] > 0).all() and (traces["completion_tokens"] > 0).all()
+    assert (traces["cost_usd"] > 0).all()
+    assert traces["prompt_tokens"].tolist() == [first.usage.prompt_tokens, second.usage.prompt_tokens]
+    calls = json.loads(traces["tool_calls"].iloc[1])  # the second request carries the call and its result
+    assert calls[0]["name"] == "python" and calls[0]["input"] == "48213 * 7719" and calls[0]["result"] == ANSWER
+    assert json.loads(traces["response"].iloc[0])["choices"][0]["message"]["tool_calls"][0]["id"] == call.id
+
+    # the verifier graded the final answer (the tool-call step has no outcome of its own)
+    outcome = _wait_for(server, "SELECT * FROM trace_feedback WHERE trace_id = ?", [second.id])
+    assert outcome["source"].tolist() == ["verifier"] and bool(outcome["passed"].iloc[0])
+    assert _stored(server, "SELECT count(*) AS n FROM trace_feedback WHERE trace_id = ?", [first.id])["n"][0] == 0
+    rates = live_pass_rates(server.endpoint.store, "live")
+    row = rates[(rates["env"] == "calculator") & (rates["tools"] == "python") & (rates["model_version"] == 1)]
+    assert int(row["requests"].iloc[0]) >= 1 and int(row["passed"].iloc[0]) >= 1
+    logged = server.endpoint.log_live_metrics()  # what the endpoint logs every serving.metrics_seconds
+    run = _rt.tracker.client.get_run(server.endpoint._metrics_run)
+    assert run.data.metrics["live_pass_rate/calculator/python"] == logged["live_pass_rate/calculator/python"] > 0
+
+
+def test_streaming_answer_names_its_version(live):
+    _config, _rt, _server, client = live
+    chunks = list(client.chat.completions.create(model="live@champion", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert {c.model for c in chunks} == {"live@v1"}
+    assert chunks[-1].usage.completion_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_redaction_runs_before_anything_is_stored(live):
+    _config, _rt, server, client = live
+    secrets = ["sk-proj-Zq8xW2vN4mK7pL1rT5yU", "ada.lovelace@example.org", "hunter2hunter2", "ACME-884213"]
+    content = (f"my key is {secrets[0]}, mail me at {secrets[1]}, password={secrets[2]}, "
+               f"account {secrets[3]}; what is 2 + 2?")
+    answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": content}],
+                                            max_tokens=4, extra_body={"evertrain": {"env": "calculator", "problem": {
+                                                "question": f"{content}", "answer": "4"}}})
+    row = _stored(server, "SELECT * FROM traces WHERE trace_id = ?", [answer.id]).iloc[0]
+    stored = " ".join(str(row[c]) for c in ("request", "response", "problem", "tool_calls"))
+    assert "[REDACTED]" in stored and "what is 2 + 2?" in stored
+    for secret in secrets:
+        assert secret not in stored
+    # nor anywhere in the store's files (Parquet data and catalog)
+    location = server.endpoint.store.location
+    files = [p for p in Path(location.data_path).rglob("*") if p.is_file()] + [Path(location.target)]
+    for path in files:
+        data = path.read_bytes()
+        for secret in secrets:
+            assert secret.encode() not in data, (secret, path)
+
+
+def test_bad_input_gets_an_openai_error_and_a_stored_trace(live):
+    _config, _rt, server, client = live
+    url = server.url
+    seen = {}
+    bad = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "live", "messages": [', timeout=60,
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    seen["invalid_json"] = bad.headers[TRACE_HEADER]
+
+    huge = httpx.post(f"{url}/v1/chat/completions", json={"model": "live", "messages": [
+        {"role": "user", "content": "x" * 1_100_000}]}, timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    seen["request_too_large"] = huge.headers[TRACE_HEADER]
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.with_raw_response.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert unknown.value.body["code"] == "model_not_found" and "live" in unknown.value.body["message"]
+    seen["model_not_found"] = unknown.value.response.headers[TRACE_HEADER]
+
+    with pytest.raises(openai.BadRequestError) as long:
+        client.chat.completions.create(model="live", messages=[{"role": "user", "content": "7 " * 2000}])
+    assert long.value.body["code"] == "context_length_exceeded" and "1024" in long.value.body["message"]
+    seen["context_length_exceeded"] = long.value.response.headers[TRACE_HEADER]
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "rm_rf", "arguments": '{"input": "/"}'}}
+    with pytest.raises(openai.BadRequestError) as tool:
+        client.chat.completions.create(model="live", messages=[
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "done"}])
+    assert tool.value.body["code"] == "unknown_tool" and "rm_rf" in tool.value.body["message"]
+    seen["unknown_tool"] = tool.value.response.headers[TRACE_HEADER]
+
+    with pytest.raises(openai.BadRequestError) as declared:
+        client.chat.completions.create(model="live", messages=[{"role": "user", "content": "x"}], tools=[
+            {"type": "function", "function": {"name": "shell", "parameters": {}}}])
+    assert declared.value.body["code"] == "unknown_tool"
+
+    with pytest.raises(openai.BadRequestError) as env:
+        client.chat.completions.create(model="live", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"evertrain": {"env": "no-such-env"}})
+    assert env.value.body["code"] == "unknown_env"
+
+    traces = _stored(server, "SELECT trace_id, status, http_status, error FROM traces WHERE status = 'error'")
+    by_id = traces.set_index("trace_id")
+    for code, trace_id in seen.items():
+        assert trace_id in by_id.index, code
+        assert by_id.loc[trace_id, "error"].startswith(code)
+        assert by_id.loc[trace_id, "http_status"] in (400, 404, 413)
+    # and the endpoint still answers
+    assert client.chat.completions.create(model="live", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=2).choices[0].message.content is not None
+
+
+def test_client_feedback_is_stored(live):
+    _config, _rt, server, client = live
+    answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    ok = httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": False, "detail": {
+        "note": "wrong, mail ops@example.com"}}, timeout=30)
+    assert ok.status_code == 200
+    refused = httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": "yes"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "passed"
+    rows = _stored(server, "SELECT * FROM trace_feedback WHERE trace_id = ?", [answer.id])
+    assert rows["source"].tolist() == ["client"] and not bool(rows["passed"].iloc[0])
+    assert "ops@example.com" not in rows["detail"].iloc[0]
+
+
+def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one(live):
+    """Traces of a fresh problem, of the gate's and of the sealed split's: curation (serving.curate_from_traces)
+    turns the failed fresh one into a training problem with its trace id, and drops the held-out ones."""
+    from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+
+    config, rt, server, client = live
+    env = rt.env("calculator")
+    gate_size = config.eval_size("calculator")
+    gate = env.problems("eval", gate_size, config.seed)[0]
+    sealed = env.sealed_problems("test", config.sealed_size("calculator"), config.seed, gate_size)[0]
+    fresh = {"question": "What is 123 * 456?", "answer": "56088"}
+    tasks = {"fresh": fresh, "gate": {"question": gate.prompt, "answer": gate.payload["answer"]},
+             "gate_payload": {"question": gate.prompt, **gate.payload},
+             "sealed": {"question": sealed.prompt, "answer": sealed.payload["answer"]}}
+    traces = {}
+    for name, problem in tasks.items():
+        # tool_choice none: the taught model still writes its memorized call, now as the final answer: a failure
+        answer = client.chat.completions.create(
+            model="live", messages=[{"role": "user", "content": problem["question"]}], tools=PYTHON,
+            tool_choice="none", temperature=0, max_tokens=40,
+            extra_body={"evertrain": {"env": "calculator", "problem": problem}})
+        traces[name] = answer.id
+    outcomes = _wait_for(server, "SELECT trace_id, passed FROM trace_feedback WHERE trace_id IN (?, ?, ?, ?)",
+                         list(traces.values()), rows=4)
+    assert not outcomes["passed"].any()
+
+    data = config.model_dump()
+    data["serving"].update(curate_from_traces=True, trace_problems=8)
+    curating = get_runtime(type(config).model_validate(data))
+    run_stage(curating, "curate", 0, STAGE_FUNCTIONS["curate"])
+    problems = curating.store.query("SELECT * FROM problems WHERE campaign = 'live' AND iteration = 0")
+    from_traces = problems[problems["payload"].str.contains('"provenance"')]
+    provenance = {json.loads(p)["provenance"]["trace_id"]: row for p, row in zip(
+        from_traces["payload"], from_traces.itertuples(index=False), strict=True)}
+    assert traces["fresh"] in provenance
+    row = provenance[traces["fresh"]]
+    payload = json.loads(row.payload)
+    assert row.prompt == fresh["question"] and payload["answer"] == "56088" and row.split == "train"
+    assert payload["provenance"]["passed"] is False and payload["provenance"]["outcome_source"] == "verifier"
+    for name in ("gate", "gate_payload", "sealed"):
+        assert traces[name] not in provenance, name
+    assert gate.id not in set(problems["problem_id"]) and sealed.id not in set(problems["problem_id"])
+    assert not {gate.prompt, sealed.prompt} & set(problems["prompt"])
+    metrics = json.loads(curating.store.query("SELECT metrics FROM stage_runs WHERE campaign = 'live' AND "
+                                              "iteration = 0 AND stage = 'curate'")["metrics"].iloc[0])
+    assert metrics["dropped_trace_contaminated"] >= 3 and metrics["trace_problems"] == len(from_traces)
+    assert metrics["trace_failures"] >= 1
+
+
+def test_hot_swap_under_a_concurrent_client(live):
+    """Promote v2 while four client threads send requests, then roll back: no request fails, each names exactly
+    one version (body, header and trace agree), and the served version changes both ways within seconds."""
+    from evertrain.tasks.promote import rollback
+
+    _config, rt, server, client = live
+    stop = threading.Event()
+    results, failures = [], []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                raw = client.chat.completions.with_raw_response.create(
+                    model="live", messages=[{"role": "user", "content": QUESTION}], max_tokens=9, temperature=0)
+                answer = raw.parse()
+                with lock:
+                    results.append((time.monotonic(), answer.id, answer.model, raw.headers[MODEL_HEADER],
+                                    answer.model_extra["evertrain"]["model_version"],
+                                    answer.choices[0].message.content))
+            except Exception as error:
+                with lock:
+                    failures.append(repr(error))
+
+    def served_since(moment: float, name: str, timeout: float = 60.0) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with lock:
+                if any(r[0] > moment and r[2] == name for r in results):
+                    return time.monotonic() - moment
+            time.sleep(0.05)
+        raise AssertionError(f"{name} was not served within {timeout} s")
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.5)
+        promoted = time.monotonic()
+        rt.tracker.set_alias("champion", 2)  # what the promote stage does when the gate passes
+        rt.tracker.set_alias("previous_champion", 1)
+        to_v2 = served_since(promoted, "live@v2")
+        time.sleep(1.0)
+        rolled = time.monotonic()
+        rollback(rt, reason="test")
+        to_v1 = served_since(rolled, "live@v1")
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert not failures, failures[:3]
+    assert to_v2 < 10 and to_v1 < 10
+    for _at, _id, model, header, version, _text in results:
+        assert model == header == f"live@v{version}"
+    names = [r[2] for r in sorted(results)]
+    changes = [b for a, b in itertools.pairwise(names) if a != b]
+    assert "live@v2" in changes and "live@v1" in changes
+    # the taught v1 calls the tool; the untaught v2 does not: each answer is one model's, never a mix
+    v1, v2 = ({r[5] for r in results if r[2] == name} for name in ("live@v1", "live@v2"))
+    assert v1 == {"<python>\n"} and len(v2) == 1 and v1 != v2
+    stored = _stored(server, "SELECT trace_id, model_version FROM traces").set_index("trace_id")["model_version"]
+    assert all(int(stored[r[1]]) == r[4] for r in results)
+    assert rt.tracker.alias("champion") == 1
+
+
+def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, tmp_path):
+    """`evertrain endpoint` in its own process (beside the test's endpoint, on the same store and registry):
+    it answers on its port, and a clean stop (Ctrl-C) writes the traces still queued."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    config, _rt, server, _client = live
+    path = tmp_path / "live.json"
+    data = config.model_dump(mode="json")
+    data["serving"]["trace_flush_seconds"] = 3600  # nothing is written before the stop: the stop must write it
+    path.write_text(json.dumps(data))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "endpoint", "--campaign", "live", "--config",
+                                str(path), "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok":
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = other.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert answer.model == "live@v1"
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "serving live@v1" in output
+    rows = _stored(server, "SELECT model_version, status FROM traces WHERE trace_id = ?", [answer.id])
+    assert rows["model_version"].tolist() == [1] and rows["status"].tolist() == ["ok"]
+
+
+def test_endpoint_deployment_is_registered(live, prefect_server):
+    from prefect.client.orchestration import get_client
+
+    from evertrain.flows.deploy import build_endpoint_deployment
+
+    config = live[0]
+    deployment_id = build_endpoint_deployment(config, port=8123).apply()
+    with get_client(sync_client=True) as prefect:
+        deployment = prefect.read_deployment(deployment_id)
+    assert deployment.name == "endpoint-live" and "endpoint" in deployment.tags
+    assert deployment.parameters["config"]["name"] == "live" and deployment.parameters["port"] == 8123
+    assert deployment.entrypoint == "evertrain.serving.flow.endpoint_flow"
