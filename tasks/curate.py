@@ -149,7 +149,8 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     if config.serving.curate_from_traces:  # the endpoint's verifiable traces, failures first (evertrain.serving)
         from evertrain.serving.trace_source import trace_rows
 
-        rows += trace_rows(rt, iteration, taken, metrics)
+        rows += trace_rows(rt, taken, metrics, _held_out_index(config.model_dump_json()),
+                           lambda p: problem_row(rt, iteration, rt.env(p.env), p))
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)
     metrics.update({f"dropped_{rule}": count for rule, count in dropped.items()})

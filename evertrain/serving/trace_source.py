@@ -18,6 +18,7 @@ clients is trained on once) and carries its provenance in its payload: ``payload
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 from typing import Any
@@ -60,13 +61,12 @@ def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
     return frozenset(held)
 
 
-def trace_problems(rt: Runtime, taken: set[str], limit: int | None = None,
+def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any], limit: int | None = None,
                    dropped: dict[str, int] | None = None) -> list[Problem]:
     """Up to ``limit`` (default ``serving.trace_problems``) training problems from verifiable traces, failures
-    first; ``taken`` (problem ids already chosen) grows with each one kept; ``dropped`` counts why others were not."""
+    first; ``taken`` (problem ids already chosen) grows with each one kept; ``dropped`` counts why others were not.
+    ``held_out`` is curation's (ids, n-gram index) of the gate's and sealed problems, which no trace may enter."""
     from datetime import timedelta
-
-    from evertrain.tasks.curate import _held_out_index
 
     serving = rt.config.serving
     limit = serving.trace_problems if limit is None else limit
@@ -75,7 +75,7 @@ def trace_problems(rt: Runtime, taken: set[str], limit: int | None = None,
         return []
     since = now() - timedelta(hours=serving.trace_window_hours)
     frame = rt.store.query(VERIFIABLE_SQL, [rt.campaign, rt.campaign, since])
-    held_ids, held_index = _held_out_index(rt.config.model_dump_json())
+    held_ids, held_index = held_out
     held_prompts = _held_prompts(rt.config.model_dump_json())
     campaign_envs = {spec.name for spec in rt.config.environments}
     want_passed = round(limit * serving.trace_success_share)
@@ -118,17 +118,17 @@ def trace_problems(rt: Runtime, taken: set[str], limit: int | None = None,
     return chosen
 
 
-def trace_rows(rt: Runtime, iteration: int, taken: set[str], metrics: dict[str, Any]) -> list[dict[str, Any]]:
-    """The ``problems`` rows of this iteration's trace problems (curation's one call), with their counts in
-    ``metrics``: trace_problems, trace_failures and trace_dropped_<reason>."""
-    from evertrain.tasks.curate import problem_row
-
+def trace_rows(rt: Runtime, taken: set[str], metrics: dict[str, Any], held_out: tuple[set[str], Any],
+               to_row: Callable[[Problem], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``problems`` rows (made by curation's ``to_row``) of this iteration's trace problems, with their counts
+    in ``metrics``: trace_problems, trace_failures and trace_dropped_<reason>. Curation passes its own held-out
+    index and row maker in, so this module never imports the stage (no import cycle)."""
     dropped: dict[str, int] = {}
-    chosen = trace_problems(rt, taken, dropped=dropped)
+    chosen = trace_problems(rt, taken, held_out, dropped=dropped)
     metrics["trace_problems"] = len(chosen)
     metrics["trace_failures"] = sum(not p.payload["provenance"]["passed"] for p in chosen)
     metrics.update({f"dropped_{reason}": count for reason, count in dropped.items()})
-    return [problem_row(rt, iteration, rt.env(p.env), p) for p in chosen]
+    return [to_row(p) for p in chosen]
 
 
 def _int(value: Any) -> int | None:
