@@ -3,12 +3,15 @@
 With ``cluster.address = "none"`` nothing here runs: every stage samples and grades in the flow's own
 process. Otherwise:
 
-- **Rollout workers** are Ray actors, each holding one sampler (the policy and its tokenizer). A worker is
-  told which policy version to sample from; it loads that version once and keeps it until told another.
+- **Rollout workers** are Ray actors, each holding one sampler of the configured rollout backend
+  (``generation.backend``: the in-house sampler, or a vLLM engine of the worker's own). A worker is told
+  which policy version to sample from, by content hash; it loads that version once and keeps it until
+  told another.
 - **Shards.** The groups of a stage are cut into shards, per environment, at exactly the boundaries the
   in-process sampler cuts its batches at (``generation.batch_size // G`` problems), and every group is
-  seeded by (campaign seed, iteration, problem), never by its position. So a shard computes bit for bit
-  what the same batch computes in one process, and rows equal those of ``cluster = none``.
+  seeded by (campaign seed, iteration, problem), never by its position. So, with a backend that honours
+  per-request seeds (its declared capabilities), a shard computes bit for bit what the same batch computes
+  in one process, and rows equal those of ``cluster = none``; a backend that does not is warned of at start.
 - **Results come back to the flow's process**, which writes the store exactly as before: one transaction
   per stage, the same rerun keys, the same crash safety. Workers never open the store (DuckDB admits one
   writer process, and the flow is it).
@@ -31,7 +34,6 @@ process and the samplers must stay loaded between calls, which actors give and P
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import tempfile
@@ -97,16 +99,17 @@ class PackedCheckpoint:
 
 
 def checkpoint_key(path: str | Path, version: int) -> str:
-    """Identity of a checkpoint folder: its path, version and every file's size and modification time."""
+    """Identity of a checkpoint folder: its content hash (``checkpoint_digest``), as in the vLLM engine.
+
+    Not its path, version number or file times: an update rerun in place rewrites the same folder with new
+    weights (a new key: workers load them), and the same weights under another name need no new load.
+    """
+    from evertrain.models.policy import checkpoint_digest
+
     root = Path(path)
     if not root.is_dir():
         raise ClusterError(f"checkpoint folder {root} of version {version} does not exist")
-    parts = [str(root.resolve()), str(version)]
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            info = p.stat()
-            parts.append(f"{p.relative_to(root)}:{info.st_size}:{info.st_mtime_ns}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return checkpoint_digest(root)
 
 
 def pack_checkpoint(path: str | Path, version: int) -> PackedCheckpoint:
@@ -172,7 +175,7 @@ class RolloutWorker:
         from evertrain.models.sampler import open_sampler
 
         began = time.perf_counter()
-        if getattr(self.sampler, "backend", "hf") == "hf":
+        if self.sampler is not None and self.sampler.capabilities.weights_in_process:
             self.sampler = None  # free the old version before the new one is built
         folder = unpack_checkpoint(packed, self.scratch / packed.key[:16])
         # the same sampler the flow's process would open, from the checkpoint rebuilt on this node

@@ -67,6 +67,10 @@ def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
 def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
     """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
     rt = get_runtime(config)
+    from evertrain.models.sampler import check_backend
+
+    # a rollout backend that cannot run the model refuses now, not when its engine dies mid-rollout
+    check_backend(config, rt.base_model)
     finished: list[int] = []
     while iterations is None or len(finished) < iterations:
         iteration = next_iteration(rt)

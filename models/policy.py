@@ -63,6 +63,28 @@ def write_base_checkpoint(dest: Path, base_model: str) -> Path:
     return dest
 
 
+def checkpoint_digest(checkpoint: str | Path) -> str:
+    """A checkpoint's identity: sha256 over every file's path (within the folder) and bytes.
+
+    Neither the folder's path nor modification times enter it: an update rerun in place (the same folder,
+    new weights) is a new identity, and a copy of the same weights elsewhere is the same one. The base
+    model a ``base`` or ``lora`` checkpoint names is referenced by its path and taken as immutable.
+    The vLLM engine computes the same digest in its own interpreter (``vllm_engine.folder_digest``).
+    """
+    import hashlib
+
+    root = Path(checkpoint)
+    if not root.is_dir():
+        raise ModelError(f"checkpoint folder {root} does not exist")
+    digest = hashlib.sha256()
+    files = {p.relative_to(root).as_posix(): p for p in root.rglob("*") if p.is_file()}
+    for name in sorted(files):  # by name as written (not by path parts): the engine's copy sorts the same way
+        digest.update(name.encode() + b"\0")
+        with files[name].open("rb") as file:
+            digest.update(hashlib.file_digest(file, "sha256").digest())
+    return digest.hexdigest()
+
+
 def load_tokenizer(base_model: str) -> Any:
     from transformers import AutoTokenizer
 

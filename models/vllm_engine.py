@@ -16,6 +16,8 @@ Requests and replies are dicts of plain data (lists of ints, floats and strings)
 - ``{"op": "add_lora", "lora": {"name", "id", "path"}}``: load a LoRA adapter now (the base stays loaded).
 - ``{"op": "load_full", "path"}``: reload every weight in place from a Hugging Face folder (full
   fine-tuning), and drop the prefix cache, whose keys would otherwise serve KV computed by old weights.
+  Both reply with ``digest``: the content hash of the folder as the engine read it (:func:`folder_digest`,
+  the parent's ``checkpoint_digest``), so the parent knows which weights are served by content, not by path.
 - ``{"op": "ping"}``, ``{"op": "shutdown"}``.
 
 Log-probs are vLLM's ``processed_logprobs``: after temperature and top-p, i.e. of the distribution each
@@ -26,6 +28,7 @@ not used: on CPU they fail ("CPU Generator does not use offset"), so the engine 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -33,6 +36,18 @@ import time
 import traceback
 from multiprocessing.connection import Client
 from typing import Any
+
+
+def folder_digest(path: str) -> str:
+    """sha256 over every file's path (within ``path``) and bytes: ``evertrain.models.policy.checkpoint_digest``,
+    written again here because this interpreter cannot import evertrain (tests check the two agree)."""
+    digest = hashlib.sha256()
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+    for file in sorted(files, key=lambda f: os.path.relpath(f, path).replace(os.sep, "/")):
+        digest.update(os.path.relpath(file, path).replace(os.sep, "/").encode() + b"\0")
+        with open(file, "rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()
 
 
 def _load_weights_in_place(worker: Any, path: str) -> int:
@@ -131,15 +146,17 @@ class Engine:
         from vllm.lora.request import LoRARequest
 
         began = time.perf_counter()
+        digest = folder_digest(str(spec["path"]))
         self.llm.llm_engine.add_lora(LoRARequest(str(spec["name"]), int(spec["id"]), str(spec["path"])))
-        return {"seconds": time.perf_counter() - began}
+        return {"seconds": time.perf_counter() - began, "digest": digest}
 
     def load_full(self, path: str) -> dict[str, Any]:
         began = time.perf_counter()
+        digest = folder_digest(path)
         # vLLM's in-place reload, fed from the worker with the checkpoint's tensors plus a tied lm_head
         self.llm.collective_rpc(_load_weights_in_place, args=(path,))
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        return {"seconds": time.perf_counter() - began}
+        return {"seconds": time.perf_counter() - began, "digest": digest}
 
 
 def serve(address: str, options: dict[str, Any]) -> None:

@@ -123,11 +123,11 @@ def generation_key(rt: Runtime, problem: Problem) -> str:
     blob = {"max_new_tokens": config.max_new_tokens(problem.env, evaluation=True), "max_turns": env.max_turns,
             "dtype": sampling_dtype(config.model.rollout_dtype, config.model.device),
             "messages": env.messages(problem), "decoding": decoding}
-    from evertrain.models.sampler import resolve_backend
+    from evertrain.models.sampler import backend_for
 
-    backend = resolve_backend(config)
-    if backend != "hf":  # another engine's answers are other answers (kept out of the key for hf: keys stay stable)
-        blob["backend"] = backend
+    identity = backend_for(config).capabilities.answers_identity
+    if identity:  # another engine's answers are other answers (none for the in-house sampler: keys stay stable)
+        blob["backend"] = identity
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
