@@ -273,6 +273,10 @@ class Terminal(Environment):
 
     def task(self, problem: Problem) -> TerminalTask:
         name = problem.payload.get("task")
+        if isinstance(name, str) and name.startswith("gen:"):  # a curriculum level-0 task: rebuilt from its name
+            from evertrain.envs.terminal_levels import generated_task
+
+            return generated_task(name)
         for task in self.tasks:
             if task.name == name:
                 return task
