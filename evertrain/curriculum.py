@@ -290,9 +290,9 @@ class BandLadder(Ladder):
 
     def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
         self.check(level)
+        if level == 1:  # exactly the environment's own draw: the start changes nothing
+            return self.env.problems("train", n, seed)
         pool = self.env.problems("train", 2 * n, seed)
-        if level == 1:
-            return pool
         rates = history([p.id for p in pool])
 
         def rank(problem: Problem) -> int:
