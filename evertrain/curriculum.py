@@ -501,6 +501,30 @@ def broad_ids(rt: Any) -> frozenset[str]:
     return frozenset(frame["problem_id"])
 
 
+def broad_guard(rt: Any) -> tuple[frozenset[str], Any]:
+    """What curation refuses for the broad sealed set: its ids, and the word n-grams of its natural-language
+    problems (a data set's; the environment's boilerplate dropped), as for the gate's problems."""
+    from evertrain.envs.quality import NgramIndex
+
+    ids = broad_ids(rt)
+    cache = vars(rt).setdefault("_broad_guard", {})
+    if ids not in cache:
+        index = NgramIndex(n=rt.config.curation.decontamination_ngram)
+        for env_name in {p.env for p in broad_problems(rt)}:
+            env = rt.env(env_name)
+            if env.templated:
+                continue
+            mine = NgramIndex(n=rt.config.curation.decontamination_ngram)
+            for problem in broad_problems(rt):
+                if problem.env == env_name:
+                    mine.add(problem.prompt)
+            mine.drop_boilerplate([p.prompt for p in env.problems("train", 200, rt.config.seed)])
+            index.grams |= mine.grams
+        cache.clear()
+        cache[ids] = index
+    return ids, cache[ids]
+
+
 def broad_problems(rt: Any) -> list[Problem]:
     """The campaign's broad sealed set as problems of split ``broad`` (stored order: environment, level)."""
     frame = rt.store.query("SELECT problem_id, env, prompt, payload FROM broad_sealed WHERE campaign = ? "

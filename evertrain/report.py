@@ -446,7 +446,10 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
     raw = store.scalar("SELECT config FROM campaigns WHERE campaign = ?", [campaign])
     if raw is None:
         return None
-    config = CampaignConfig.model_validate_json(raw)
+    try:
+        config = CampaignConfig.model_validate_json(raw)
+    except ValueError:  # a campaign stored by another version of evertrain: its gate cannot be read back
+        return None
     problems = sum(config.eval_size(spec.name) for spec in config.environments)
     alpha = 1 - config.promotion.confidence
     pairs = store.query(

@@ -90,9 +90,9 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
     rules = rt.config.curation
     held_ids, held_index = _held_out_index(rt.config.model_dump_json())
     history = attempt_history(rt, iteration, [p.id for p in candidates], rules.history_k)
-    from evertrain.curriculum import broad_ids
+    from evertrain.curriculum import broad_guard
 
-    broad = broad_ids(rt)  # the broad sealed set (evertrain.curriculum) is held out like the gate's problems
+    broad, broad_index = broad_guard(rt)  # the broad sealed set (evertrain.curriculum): held out like the gate's
     kept: list[Problem] = []
     for problem in candidates:
         if len(kept) == want:
@@ -103,7 +103,8 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
             rule = "duplicate"
         elif natural and chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
             rule = "near_duplicate"
-        elif problem.id in held_ids or problem.id in broad or (natural and held_index.overlaps(problem.prompt)):
+        elif problem.id in held_ids or problem.id in broad or (natural and (
+                held_index.overlaps(problem.prompt) or broad_index.overlaps(problem.prompt))):
             rule = "contaminated"
         elif rules.history_k and attempts >= rules.history_k and passes == attempts:
             rule = "too_easy"
