@@ -243,10 +243,19 @@ class ReasoningGymLadder(Ladder):
                 for f in (getattr(attr, "lower_field_name", None), getattr(attr, "upper_field_name", None),
                           getattr(attr, "field_name", None)) if f]
 
-    @property
-    def levels(self) -> int:
+    @cached_property
+    def levels(self) -> int:  # type: ignore[override]
+        """The curriculum's levels up to the first whose config the generator refuses (caesar_cipher's last
+        level asks a rotation of 26, which its own config validation rejects)."""
         if self.curriculum is None:
             return 1
+        for level in range(max(len(attr.levels) for attr in self.curriculum.attributes.values())):
+            try:
+                config = self.curriculum._config_cls(**{**self.config(level), "seed": 0, "size": 1})
+                if hasattr(config, "validate"):
+                    config.validate()
+            except (AssertionError, ValueError, TypeError):
+                return max(level, 1)
         return max(len(attr.levels) for attr in self.curriculum.attributes.values())
 
     def config(self, level: int) -> dict[str, Any]:

@@ -78,6 +78,12 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "zero_variance_share": score.get("zero_variance_share"),
             "zero_variance_share_unfiltered_est": _unfiltered_zero_variance(curate, score),
             "dropped": {k.removeprefix("dropped_"): v for k, v in curate.items() if k.startswith("dropped_")},
+            # the curriculum level each environment was drawn at, and the samples' diversity (evertrain.curriculum)
+            "curriculum_levels": {k.removeprefix("curriculum_level_"): v for k, v in curate.items()
+                                  if k.startswith("curriculum_level_")},
+            "distinct_completions": score.get("diversity_distinct_completions"),
+            "token_entropy": score.get("diversity_token_entropy"),
+            "informative_share": score.get("diversity_informative_share"),
             "pass1_challenger": evaluate.get("pass1_challenger"),
             # below 1 where the gate stopped a clearly worse challenger early (pass@1 is then on that share)
             "challenger_eval_share": evaluate.get("challenger_eval_share"),

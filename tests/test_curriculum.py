@@ -86,6 +86,10 @@ def test_level_advances_above_the_band_and_retreats_below(tmp_path, models_dir):
     assert lines[2] == "curriculum i=2: arithmetic 1/4 advance" and lines[4] == "curriculum i=4: arithmetic 0/4 retreat"
     runs = rt.tracker.client.search_runs([rt.tracker.experiment_id])
     assert any("curate/curriculum_level_arithmetic" in run.data.metrics for run in runs)
+    from evertrain.report import iteration_report
+
+    assert [r["curriculum_levels"] for r in iteration_report(rt.store, rt.campaign)] == [
+        {"arithmetic": level} for level in (0, 0, 1, 1, 0)]
 
 
 def test_disabled_curriculum_draws_as_before(tmp_path, models_dir):
@@ -214,6 +218,12 @@ def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_d
     metrics = diversity_metrics(rt.store, c, 5)
     assert metrics["diversity_distinct_completions"] == pytest.approx(1.5)
     assert diversity_metrics(rt.store, c, 6) == {}
+    # the score stage records them from the store, into stage_runs and MLflow (here a score stage that
+    # graded nothing new: the metrics come from the rollouts as stored)
+    recorded = run_stage(rt, "score", 5, lambda rt, iteration: {})
+    assert recorded["diversity_informative_share"] == pytest.approx(0.5)
+    runs = rt.tracker.client.search_runs([rt.tracker.experiment_id])
+    assert any(run.data.metrics.get("score/diversity_distinct_completions") == 1.5 for run in runs)
 
 
 def test_gate_power_is_the_paired_test_solved_for_the_gain():
@@ -246,6 +256,9 @@ def test_generator_levels_grade_their_own_references():
     ops = {p.payload.get("expr", p.prompt).split()[-2] for level in range(ladder.levels)
            for p in ladder.problems(level, 40, seed=1, history=lambda ids: {})}
     assert "*" not in ops  # the transfer split's operator is never trained on at any level
+    # reasoning-gym's caesar_cipher curriculum asks a rotation of 50 from its level 2, which its own config
+    # refuses: the ladder stops below the first level the generator cannot build
+    assert ladder_for(registry.get("rg:caesar_cipher")).levels == 2
     # a reasoning-gym config that fixes a field the curriculum moves keeps that difficulty: no ladder
     assert ladder_for(registry.get("rg:basic_arithmetic", config={"max_terms": 3})) is None
 
