@@ -194,8 +194,8 @@ def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_d
 
     def row(problem: str, sample: int, completion: str, reward: float, logprobs: list[float], mask: list[int]):
         return {"campaign": c, "iteration": 5, "problem_id": problem, "sample": sample, "env": "arithmetic",
-                "completion": completion, "reward": reward, "passed": reward == 1.0, "logprobs": logprobs,
-                "loss_mask": mask}
+                "policy_version": 1, "completion": completion, "reward": reward, "passed": reward == 1.0,
+                "logprobs": logprobs, "loss_mask": mask}
 
     rt.store.append("rollouts", [
         # group a: 3 copies of one answer and 1 other, rewards disagree; a tool token (mask 0, log-prob 0)
@@ -206,7 +206,8 @@ def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_d
         # group b: 4 copies of the same wrong answer: no signal
         *[row("b", s, "#### 9", 0.0, [-0.25, -0.25], [1, 1]) for s in range(4)],
         # an unscored rollout does not count
-        {"campaign": c, "iteration": 5, "problem_id": "z", "sample": 0, "env": "arithmetic", "completion": "x"},
+        {"campaign": c, "iteration": 5, "problem_id": "z", "sample": 0, "env": "arithmetic", "policy_version": 1,
+         "completion": "x"},
     ])
     [got] = diversity(rt.store, c, 5)
     assert got["groups"] == 2
