@@ -233,6 +233,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.report import format_live, live_pass_rate
 
     live = live_pass_rate(store, args.campaign)
+    from evertrain.curriculum import format_levels, levels_over_iterations
+    from evertrain.report import diversity, format_diversity, format_gate_power, gate_power
+
+    levels, spread, power = levels_over_iterations(store, args.campaign), diversity(store, args.campaign), \
+        gate_power(store, args.campaign)
     store.close()
     if not rows:
         print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
@@ -240,7 +245,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.html:
         from evertrain.plots import html_report
 
-        Path(args.html).write_text(html_report(args.campaign, rows, summary), encoding="utf-8")
+        sections = [
+            ("Curriculum levels", levels, [("iteration", "iteration"), ("env", "environment"), ("level", "level"),
+                                           ("max_level", "top level"), ("groups", "groups"),
+                                           ("pass_rate", "pass rate"), ("action", "action"), ("reason", "why")], []),
+            ("Sample diversity (stored rollouts)", spread, [
+                ("iteration", "iteration"), ("groups", "groups"), ("distinct_completions", "distinct per group"),
+                ("distinct_share", "distinct share"), ("token_entropy", "token entropy (nats)"),
+                ("informative_share", "informative groups")], []),
+            ("Gate power", [], [], format_gate_power(power))]
+        Path(args.html).write_text(html_report(args.campaign, rows, summary, sections), encoding="utf-8")
         print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -250,7 +264,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(share_line(rows))
         for s in summary:
             print(format_versus(s))
-        for line in format_refusal(refusal) + format_agent(agent) + format_mix(mix) + format_live(live):
+        for line in (format_refusal(refusal) + format_agent(agent) + format_mix(mix) + format_levels(levels)
+                     + format_diversity(spread) + format_gate_power(power) + format_live(live)):
             print(line)
     return 0
 

@@ -104,6 +104,34 @@ class MixConfig(_Strict):
         0.1, ge=0, lt=1, description="Minimum share of every environment with weight > 0 (at most 1/their number).")
 
 
+class CurriculumConfig(_Strict):
+    """Difficulty levels that move with the model, per environment (evertrain.curriculum)."""
+
+    enabled: bool = Field(
+        False, description="Draw each environment's training problems at its current curriculum level, moved by the "
+        "rolling pass rate of its recent groups (false, the default until a long campaign shows it pays: every "
+        "generator at its configured difficulty).")
+    band_low: float = Field(
+        0.2, ge=0, lt=1, description="Retreat one level when the rolling pass rate of the level's recent groups is "
+        "below this.")
+    band_high: float = Field(
+        0.8, gt=0, le=1, description="Advance one level when the rolling pass rate of the level's recent groups is "
+        "above this.")
+    window: int = Field(
+        16, ge=1, description="Groups (problems with their samples) at the current level, most recent first, whose "
+        "pass rate moves the level; a level moves only once this many were scored at it.")
+    broad_per_level: int = Field(
+        0, ge=0, description="Problems per environment and level in the broad sealed set, drawn once at the "
+        "campaign's first curate (with the transfer phrasings), kept out of curation and the gate, and measured "
+        "beside the sealed splits (0: no broad set).")
+
+    @model_validator(mode="after")
+    def _band_ok(self) -> CurriculumConfig:
+        if self.band_low >= self.band_high:
+            raise ValueError(f"curriculum.band_low ({self.band_low}) must be below band_high ({self.band_high})")
+        return self
+
+
 DEFAULT_SFT_SELECT = (
     "SELECT iteration, problem_id, sample FROM rollouts "
     "WHERE campaign = $campaign AND iteration = $iteration AND passed")
@@ -494,6 +522,7 @@ class CampaignConfig(_Strict):
     problems_per_iteration: int = Field(16, ge=1, description="Problems curated per iteration.")
     curation: CurationConfig = Field(default_factory=CurationConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     sft: SftConfig = Field(default_factory=SftConfig)
     group_size: int = Field(8, ge=2, description="G: samples per problem; GRPO compares within a group.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

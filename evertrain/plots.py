@@ -68,8 +68,13 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dict[str, Any]] | None = None) -> str:
-    """One self-contained page (figures inlined as PNG) with the campaign's plots and tables."""
+Section = tuple[str, list[dict[str, Any]], list[tuple[str, str]], list[str]]  # title, rows, columns, text lines
+
+
+def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dict[str, Any]] | None = None,
+                sections: list[Section] | None = None) -> str:
+    """One self-contained page (figures inlined as PNG) with the campaign's plots and tables; ``sections``
+    are more tables (curriculum levels, sample diversity, gate power), each with lines of text under it."""
     import matplotlib.pyplot as plt
 
     fig = progress_figure(rows, f"campaign {campaign}")
@@ -107,4 +112,8 @@ def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dic
             f"<img alt='progress' src='data:image/png;base64,{image}'>"
             f"<h2>Champion against the base model</h2>{versus}"
             f"<h2>Iterations</h2>{summary}<h2>Held-out pass@1 per environment (challenger)</h2>{per_env}"
-            f"<h2>Curation</h2>{curation}<h2>Promotion decisions</h2><ul>{decisions}</ul></body></html>")
+            f"<h2>Curation</h2>{curation}<h2>Promotion decisions</h2><ul>{decisions}</ul>"
+            + "".join(f"<h2>{html.escape(title)}</h2>" + (_table(part, columns) if part else "")
+                      + "".join(f"<p>{html.escape(line)}</p>" for line in lines)
+                      for title, part, columns, lines in sections or [])
+            + "</body></html>")

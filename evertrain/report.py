@@ -19,6 +19,7 @@ SPLIT_LABELS = {
     "gate": "gate's held-out set, seen at every promotion",
     "test": "sealed test split, never seen by curation or the gate",
     "transfer": "sealed transfer split: phrasings and operators never trained on, no worked examples",
+    "broad": "broad sealed set: every curriculum level and the transfer phrasings, drawn once at the start",
 }
 
 
@@ -77,6 +78,12 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "zero_variance_share": score.get("zero_variance_share"),
             "zero_variance_share_unfiltered_est": _unfiltered_zero_variance(curate, score),
             "dropped": {k.removeprefix("dropped_"): v for k, v in curate.items() if k.startswith("dropped_")},
+            # the curriculum level each environment was drawn at, and the samples' diversity (evertrain.curriculum)
+            "curriculum_levels": {k.removeprefix("curriculum_level_"): v for k, v in curate.items()
+                                  if k.startswith("curriculum_level_")},
+            "distinct_completions": score.get("diversity_distinct_completions"),
+            "token_entropy": score.get("diversity_token_entropy"),
+            "informative_share": score.get("diversity_informative_share"),
             "pass1_challenger": evaluate.get("pass1_challenger"),
             # below 1 where the gate stopped a clearly worse challenger early (pass@1 is then on that share)
             "challenger_eval_share": evaluate.get("challenger_eval_share"),
@@ -383,3 +390,130 @@ def format_live(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"  {r['env']} [{tools}] v{r['model_version']}: {r['pass_rate']:.3f} "
                      f"[{r['low']:.3f}, {r['high']:.3f}] over {int(r['requests'])} requests")
     return lines
+
+
+# --- samples that stay diverse ---------------------------------------------------------------------------
+
+
+def diversity(store: Store, campaign: str, iteration: int | None = None) -> list[dict[str, Any]]:
+    """Per iteration (all, or ``iteration``), from the STORED scored rollouts: groups, mean distinct completions
+    per group and their share of the group's samples, mean token entropy estimated from the sampling
+    log-probs (-mean log-prob of the sampled policy tokens: an unbiased estimate of the per-token entropy of
+    the distribution sampled from), and the share of informative groups (rewards not all equal)."""
+    where, params = ("AND iteration = ?", [campaign, iteration]) if iteration is not None else ("", [campaign])
+    # logprobs are 0.0 on tool tokens (not the policy's), so their sum is the policy tokens' sum
+    frame = store.query(
+        f"""SELECT iteration, count(*) AS samples, count(DISTINCT completion) AS distinct_completions,
+                   max(reward) > min(reward) AS informative,
+                   -sum(coalesce(list_sum(logprobs), 0)) AS neg_logprob, sum(coalesce(list_sum(loss_mask), 0)) AS tokens
+            FROM rollouts WHERE campaign = ? AND reward IS NOT NULL {where}
+            GROUP BY iteration, problem_id""", params)
+    out = []
+    for it, part in frame.groupby("iteration", sort=True):
+        tokens = float(part["tokens"].sum())
+        out.append({"iteration": int(it), "groups": len(part),
+                    "distinct_completions": float(part["distinct_completions"].mean()),
+                    "distinct_share": float((part["distinct_completions"] / part["samples"]).mean()),
+                    "token_entropy": float(part["neg_logprob"].sum()) / tokens if tokens else None,
+                    "informative_share": float(part["informative"].astype(float).mean())})
+    return out
+
+
+def diversity_metrics(store: Store, campaign: str, iteration: int) -> dict[str, float]:
+    """:func:`diversity` of one iteration as stage metrics (``diversity_*``; empty before anything is scored)."""
+    rows = diversity(store, campaign, iteration)
+    if not rows:
+        return {}
+    return {f"diversity_{key}": value for key, value in rows[0].items()
+            if key != "iteration" and value is not None}
+
+
+def format_diversity(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"diversity i={r['iteration']}: {r['distinct_completions']:.2f} distinct completions per group "
+            f"({r['distinct_share']:.2f} of its samples), token entropy "
+            f"{'-' if r['token_entropy'] is None else format(r['token_entropy'], '.3f')} nats, informative groups "
+            f"{r['informative_share']:.2f} of {r['groups']}" for r in rows]
+
+
+# --- gate power ---------------------------------------------------------------------------------------
+
+
+def min_detectable_gain(problems: int, alpha: float, power: float, discordant: float) -> float | None:
+    """The smallest true gain in pass@1 that a one-sided paired test on ``problems`` problems at level
+    ``alpha`` detects with probability ``power``, when a share ``discordant`` of problems is answered right by
+    exactly one of the two models (McNemar's normal approximation, Connor 1987):
+
+        n = (z_alpha sqrt(d) + z_power sqrt(d - gain^2))^2 / gain^2
+
+    solved for the gain. None when no gain up to ``discordant`` is detectable."""
+    from statistics import NormalDist
+
+    if problems <= 0 or not 0 < discordant <= 1 or not 0 < alpha < 1 or not 0 < power < 1:
+        return None
+    z_a, z_b = NormalDist().inv_cdf(1 - alpha), NormalDist().inv_cdf(power)
+
+    def needed(gain: float) -> float:
+        return (z_a * discordant ** 0.5 + z_b * max(discordant - gain * gain, 0.0) ** 0.5) ** 2 / gain ** 2
+
+    if needed(discordant) > problems:
+        return None
+    low, high = 1e-6, discordant
+    for _ in range(60):  # needed() falls as the gain grows: bisect
+        mid = (low + high) / 2
+        low, high = (mid, high) if needed(mid) > problems else (low, mid)
+    return high
+
+
+def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any] | None:
+    """The gate's power: its problems, its one-sided error (1 - promotion.confidence), the discordant share
+    measured on its last comparison of two different versions (else assumed 2p(1-p) at the champion's
+    pass@1, as if their answers were independent), and the smallest gain it detects, also at 2x and 4x the
+    problems. The gate's sequential looks and regression rule are not modelled: a fixed-size approximation."""
+    from evertrain.config import CampaignConfig
+
+    raw = store.scalar("SELECT config FROM campaigns WHERE campaign = ?", [campaign])
+    if raw is None:
+        return None
+    try:
+        config = CampaignConfig.model_validate_json(raw)
+    except ValueError:  # a campaign stored by another version of evertrain: its gate cannot be read back
+        return None
+    problems = sum(config.eval_size(spec.name) for spec in config.environments)
+    alpha = 1 - config.promotion.confidence
+    pairs = store.query(
+        """SELECT e.iteration, e.problem_id, e.role, any_value(e.passed) AS passed FROM evals e
+           JOIN promotions p ON p.campaign = e.campaign AND p.iteration = e.iteration
+           WHERE e.campaign = ? AND e.sample = 0 AND coalesce(e.split, 'gate') = 'gate'
+             AND p.challenger_version <> p.champion_version
+           GROUP BY ALL""", [campaign])
+    discordant, source = None, "assumed"
+    if not pairs.empty:
+        last = pairs[pairs["iteration"] == pairs["iteration"].max()]
+        wide = last.pivot_table(index="problem_id", columns="role", values="passed", aggfunc="first")
+        if {"challenger", "champion"} <= set(wide.columns):
+            wide = wide.dropna()
+            if len(wide):
+                discordant = float((wide["challenger"].astype(bool) != wide["champion"].astype(bool)).mean())
+                source = f"measured at iteration {int(last['iteration'].iloc[0])} on {len(wide)} problems"
+    if not discordant:
+        champion = store.scalar("SELECT avg(reward) FROM evals WHERE campaign = ? AND sample = 0 AND role = 'champion' "
+                                "AND coalesce(split, 'gate') = 'gate'", [campaign])
+        p = 0.5 if champion is None else float(champion)
+        discordant = max(2 * p * (1 - p), 1.0 / max(problems, 1))
+        source = "assumed 2p(1-p)" + ("" if champion is None else f" at champion pass@1 {p:.2f}")
+    return {"problems": problems, "alpha": alpha, "power": power, "discordant": discordant, "source": source,
+            "min_gain": min_detectable_gain(problems, alpha, power, discordant),
+            "min_gain_2x": min_detectable_gain(2 * problems, alpha, power, discordant),
+            "min_gain_4x": min_detectable_gain(4 * problems, alpha, power, discordant)}
+
+
+def format_gate_power(g: dict[str, Any] | None) -> list[str]:
+    if g is None:
+        return []
+
+    def gain(value: float | None) -> str:
+        return "none up to the discordant share" if value is None else f"+{value:.3f}"
+
+    return [f"gate power: {g['problems']} problems, one-sided error {g['alpha']:.2f}, power {g['power']:.0%}, "
+            f"discordant share {g['discordant']:.2f} ({g['source']}): smallest gain detected {gain(g['min_gain'])} "
+            f"(with 2x the problems {gain(g['min_gain_2x'])}, 4x {gain(g['min_gain_4x'])})"]

@@ -68,6 +68,10 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
         raise
     faults.current_stage.reset(token)
     wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
+    if stage == "score":  # how diverse the samples were, from the rollouts as stored (report and MLflow)
+        from evertrain.report import diversity_metrics
+
+        metrics = {**metrics, **diversity_metrics(rt.store, rt.campaign, iteration)}
     metrics = {**metrics, "wall_s": wall, "cpu_s": cpu, "weight_sync_s": sync_seconds() - sync0,
                **stage_cost(rt, metrics, wall, cpu)}
     rt.store.record_stage(rt.campaign, iteration, stage, "completed", started_at=started, wall_s=wall,

@@ -1,12 +1,14 @@
 """Stage 1, curate: choose this iteration's training problems, and keep out the ones that teach nothing.
 
 For each environment (its share of the iteration follows its weight) candidates are drawn, seeded by
-(campaign seed, iteration, environment) so a rerun chooses the same problems, then filtered in order:
+(campaign seed, iteration, environment) so a rerun chooses the same problems, at the environment's curriculum
+level for the iteration (``curriculum.enabled``; :mod:`evertrain.curriculum`), then filtered in order:
 
 1. ``duplicate``: the same problem (content hash) already chosen this iteration;
 2. ``near_duplicate``: word 3-grams overlapping a chosen problem's beyond ``curation.near_duplicate_jaccard``;
-3. ``contaminated``: being any environment's held-out problem (the gate's or a sealed split's), or sharing
-   a word n-gram with the held-out problem of a data-set environment;
+3. ``contaminated``: being any environment's held-out problem (the gate's, a sealed split's or the broad
+   sealed set's, :mod:`evertrain.curriculum`), or sharing a word n-gram with the held-out problem of a
+   data-set environment;
 4. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
    attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
    shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
@@ -26,6 +28,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
+from evertrain.curriculum import candidates as curriculum_candidates
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Environment, Problem
 from evertrain.envs.quality import NgramIndex
@@ -87,6 +90,9 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
     rules = rt.config.curation
     held_ids, held_index = _held_out_index(rt.config.model_dump_json())
     history = attempt_history(rt, iteration, [p.id for p in candidates], rules.history_k)
+    from evertrain.curriculum import broad_guard
+
+    broad, broad_index = broad_guard(rt)  # the broad sealed set (evertrain.curriculum): held out like the gate's
     kept: list[Problem] = []
     for problem in candidates:
         if len(kept) == want:
@@ -97,7 +103,8 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
             rule = "duplicate"
         elif natural and chosen.max_jaccard(problem.prompt) >= rules.near_duplicate_jaccard:
             rule = "near_duplicate"
-        elif problem.id in held_ids or (natural and held_index.overlaps(problem.prompt)):
+        elif problem.id in held_ids or problem.id in broad or (natural and (
+                held_index.overlaps(problem.prompt) or broad_index.overlaps(problem.prompt))):
             rule = "contaminated"
         elif rules.history_k and attempts >= rules.history_k and passes == attempts:
             rule = "too_easy"
@@ -132,6 +139,12 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         shares, mix_metrics = record(rt, iteration)
     else:
         shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
+    from evertrain.curriculum import ensure_broad
+    from evertrain.curriculum import record as record_levels
+
+    ensure_broad(rt)  # drawn once, at the campaign's first curate, before anything could train on it
+    if config.curriculum.enabled:  # each environment's level for this iteration, stored before the draw
+        mix_metrics.update(record_levels(rt, iteration)[1])
     chosen = NgramIndex(n=3)
     taken: set[str] = set()
     dropped = dict.fromkeys(RULES, 0)
@@ -142,7 +155,8 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         if not share:
             metrics[f"problems_{spec.name}"] = 0
             continue
-        candidates = env.problems("train", share * rules.oversample, seed_for(config.seed, iteration, spec.name))
+        candidates = curriculum_candidates(rt, iteration, env, share * rules.oversample,
+                                           seed_for(config.seed, iteration, spec.name))
         kept = select(rt, iteration, env, candidates, share, taken, chosen, dropped)
         rows += [problem_row(rt, iteration, env, p) for p in kept]
         metrics[f"problems_{spec.name}"] = len(kept)

@@ -32,6 +32,7 @@ from typing import Any
 import pandas as pd
 
 from evertrain.cluster import driver_policy, verify_items
+from evertrain.curriculum import candidates as curriculum_candidates
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.envs.quality import NgramIndex
@@ -89,8 +90,9 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
             if need <= 0:
                 continue
             env = rt.env(env_name)
-            candidates = env.problems("train", need * config.curation.oversample,
-                                      seed_for(config.seed, iteration, env_name, "refill", round_))
+            # at the iteration's curriculum level, like curate's draw (evertrain.curriculum)
+            candidates = curriculum_candidates(rt, iteration, env, need * config.curation.oversample,
+                                               seed_for(config.seed, iteration, env_name, "refill", round_))
             fresh += select(rt, iteration, env, candidates, need, taken, chosen, dropped)
         if not fresh:  # no fresh problem passes curation's rules: another round would draw the same
             break

@@ -429,6 +429,11 @@ def evaluate_sealed(rt: Runtime, iteration: int, versions: list[int]) -> dict[st
     learned is measured on problems that no decision ever looked at.
     """
     problems = sealed_problems(rt)
+    from evertrain.curriculum import broad_problems
+
+    # the broad sealed set (every curriculum level, drawn once): measured beside the test and transfer splits
+    seen = {p.id for p in problems} | {p.id for p in eval_problems(rt)}
+    problems += [p for p in broad_problems(rt) if p.id not in seen]
     metrics: dict[str, Any] = {"sealed_problems": len(problems), "sealed_generated": 0.0, "sealed_s": 0.0}
     if not problems:
         return metrics
@@ -440,7 +445,7 @@ def evaluate_sealed(rt: Runtime, iteration: int, versions: list[int]) -> dict[st
         metrics["sealed_generated"] += stats["generated"]
         metrics["sealed_completion_tokens"] = metrics.get("sealed_completion_tokens", 0.0) + stats["completion_tokens"]
     frame = pd.DataFrame(rows)
-    for split in ("test", "transfer"):
+    for split in ("test", "transfer", "broad"):
         rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration, "split": split},
                          frame[frame["split"] == split])
     metrics["sealed_s"] = time.perf_counter() - began

@@ -167,11 +167,23 @@ CREATE TABLE IF NOT EXISTS trace_feedback (
     trace_id VARCHAR, campaign VARCHAR, source VARCHAR, passed BOOLEAN, reward DOUBLE, detail JSON,
     created_at TIMESTAMPTZ
 );
+
+CREATE TABLE IF NOT EXISTS curriculum (    -- each environment's difficulty level per iteration, and why it moved
+    campaign VARCHAR, iteration INTEGER, env VARCHAR, level INTEGER, max_level INTEGER, previous_level INTEGER,
+    groups INTEGER, pass_rate DOUBLE, action VARCHAR, reason VARCHAR, created_at TIMESTAMPTZ,
+    PRIMARY KEY (campaign, iteration, env)
+);
+
+CREATE TABLE IF NOT EXISTS broad_sealed (    -- the broad sealed set: drawn once per campaign across all levels
+    campaign VARCHAR, problem_id VARCHAR, env VARCHAR, level INTEGER, source VARCHAR,
+    prompt VARCHAR, payload JSON, created_at TIMESTAMPTZ,
+    PRIMARY KEY (campaign, problem_id)
+);
 """
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
           "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples",
-          "approvals", "traces", "trace_feedback")
+          "approvals", "traces", "trace_feedback", "curriculum", "broad_sealed")
 
 
 def _keys_from_schema(schema: str) -> dict[str, tuple[str, ...]]:

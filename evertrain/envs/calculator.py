@@ -152,7 +152,9 @@ class Calculator(ToolEnvironment, MathEnvironment):
 
     def reference_calls(self, problem: Problem) -> list[ToolCall]:
         p = problem.payload
-        if self.tool_version == 2:
+        if "expr" in p:  # a curriculum level's problem: more operands (evertrain.curriculum)
+            return [ToolCall("python", p["expr"])]
+        if self.tool_version == 2:  # the second version of the tool (the drift demo)
             operation = {v: k for k, v in _OPERATIONS.items()}[p["op"]]
             return [ToolCall("calc", json.dumps({"operation": operation, "x": p["a"], "y": p["b"]}))]
         return [ToolCall("python", f"{p['a']} {p['op']} {p['b']}")]

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from evertrain.envs.base import Environment, Problem, Split, Tool, Verdict, vendored_path
+from evertrain.envs.terminal_levels import generated_spec
 from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, strip_tool_blocks
 from evertrain.sandbox.bwrap import Limits, run_python
 
@@ -273,6 +274,8 @@ class Terminal(Environment):
 
     def task(self, problem: Problem) -> TerminalTask:
         name = problem.payload.get("task")
+        if isinstance(name, str) and name.startswith("gen:"):  # a curriculum level-0 task: rebuilt from its name
+            return generated_task(name)
         for task in self.tasks:
             if task.name == name:
                 return task
@@ -351,3 +354,8 @@ class Terminal(Environment):
             "\n".join(["<bash>\ntrue\n</bash>"] * (self.max_turns - 1))
             + "\n" + (self.reference(problem) or ""),
         ]
+
+
+def generated_task(name: str) -> TerminalTask:
+    """The curriculum's level-0 task named ``gen:<template>:<number>`` (:mod:`evertrain.envs.terminal_levels`)."""
+    return TerminalTask(name=name, split="train", **generated_spec(name))

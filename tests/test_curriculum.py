@@ -1,0 +1,303 @@
+"""Curricula that move with the model, the broad sealed set, diversity from stored rollouts, the gate's power."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evertrain.curriculum import (
+    BandLadder,
+    broad_ids,
+    broad_problems,
+    format_levels,
+    ladder_for,
+    levels_over_iterations,
+)
+from evertrain.envs import registry
+from evertrain.envs.quality import NgramIndex
+from evertrain.report import diversity, diversity_metrics, min_detectable_gain
+from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+from tests.conftest import smoke_config_in
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _groups(campaign: str, iteration: int, env: str, pass_rates: list[float], size: int = 4) -> list[dict]:
+    """Scored rollouts: one group per pass rate, ``size`` samples each (the first round(rate * size) pass)."""
+    rows = []
+    for g, rate in enumerate(pass_rates):
+        passes = round(rate * size)
+        rows += [{"campaign": campaign, "iteration": iteration, "problem_id": f"{env}-{iteration}-{g}", "sample": s,
+                  "env": env, "completion": f"c{s}", "reward": float(s < passes), "passed": s < passes}
+                 for s in range(size)]
+    return rows
+
+
+def _config(tmp_path: Path, models_dir: Path, **curriculum: object):
+    return smoke_config_in(tmp_path, models_dir, environments=[{"name": "arithmetic", "weight": 1}],
+                           curriculum={"window": 4, "enabled": True, **curriculum})
+
+
+def _level(rt, iteration: int, env: str = "arithmetic") -> tuple[int, str]:
+    row = rt.store.query("SELECT level, action FROM curriculum WHERE campaign = ? AND iteration = ? AND env = ?",
+                         [rt.campaign, iteration, env])
+    assert len(row) == 1, row
+    return int(row["level"].iloc[0]), str(row["action"].iloc[0])
+
+
+def _numbers(rt, iteration: int) -> list[int]:
+    prompts = rt.store.query("SELECT prompt FROM problems WHERE campaign = ? AND iteration = ?",
+                             [rt.campaign, iteration])["prompt"]
+    return [int(x) for prompt in prompts for x in re.findall(r"\d+", prompt)]
+
+
+def test_level_advances_above_the_band_and_retreats_below(tmp_path, models_dir):
+    rt = get_runtime(_config(tmp_path, models_dir))
+    curate = STAGE_FUNCTIONS["curate"]
+    first = run_stage(rt, "curate", 0, curate)
+    assert _level(rt, 0) == (0, "start") and first["curriculum_level_arithmetic"] == 0
+    assert max(_numbers(rt, 0)) <= 60  # level 0: the configured generator, 2..60
+    # 3 groups is fewer than the window (4): the level holds however well they did
+    rt.store.append("rollouts", _groups(rt.campaign, 0, "arithmetic", [1.0, 1.0, 1.0]))
+    run_stage(rt, "curate", 1, curate)
+    assert _level(rt, 1) == (0, "hold")
+    # a full window above the band (0.8): advance, and the iteration's problems are drawn at level 1 (2..120)
+    rt.store.append("rollouts", _groups(rt.campaign, 1, "arithmetic", [1.0, 1.0, 0.75, 1.0]))
+    second = run_stage(rt, "curate", 2, curate)
+    assert _level(rt, 2) == (1, "advance") and second["curriculum_level_arithmetic"] == 1
+    assert max(_numbers(rt, 2)) > 60
+    # inside the band (0.5): hold; groups from before the level was entered do not count
+    rt.store.append("rollouts", _groups(rt.campaign, 2, "arithmetic", [0.5, 0.5, 0.5, 0.5]))
+    run_stage(rt, "curate", 3, curate)
+    assert _level(rt, 3) == (1, "hold")
+    # below the band (0.2) over the last 4 groups at level 1: retreat
+    rt.store.append("rollouts", _groups(rt.campaign, 3, "arithmetic", [0.0, 0.25, 0.0, 0.0]))
+    run_stage(rt, "curate", 4, curate)
+    assert _level(rt, 4) == (0, "retreat")
+    assert max(_numbers(rt, 4)) <= 60
+    # the report section and MLflow show the level per iteration
+    lines = format_levels(levels_over_iterations(rt.store, rt.campaign))
+    assert lines[2] == "curriculum i=2: arithmetic 1/4 advance" and lines[4] == "curriculum i=4: arithmetic 0/4 retreat"
+    runs = rt.tracker.client.search_runs([rt.tracker.experiment_id])
+    assert any("curate/curriculum_level_arithmetic" in run.data.metrics for run in runs)
+    from evertrain.report import iteration_report
+
+    assert [r["curriculum_levels"] for r in iteration_report(rt.store, rt.campaign)] == [
+        {"arithmetic": level} for level in (0, 0, 1, 1, 0)]
+
+
+def test_disabled_curriculum_draws_as_before(tmp_path, models_dir):
+    rt = get_runtime(_config(tmp_path, models_dir, enabled=False))
+    run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+    assert rt.store.counts()["curriculum"] == 0
+    env = rt.env("arithmetic")
+    from evertrain.runtime import seed_for
+
+    drawn = [p.id for p in env.problems("train", 8 * rt.config.curation.oversample, seed_for(0, 0, "arithmetic"))]
+    stored = list(rt.store.query("SELECT problem_id FROM problems WHERE iteration = 0")["problem_id"])
+    assert set(stored) <= set(drawn)
+
+
+_CHILD = """
+import sys
+from evertrain.config import CampaignConfig
+from evertrain.runtime import get_runtime
+from evertrain.tasks import STAGE_FUNCTIONS, run_stage
+config = CampaignConfig.model_validate_json(open(sys.argv[1]).read())
+run_stage(get_runtime(config), "curate", int(sys.argv[2]), STAGE_FUNCTIONS["curate"])
+"""
+
+
+def test_level_survives_sigkill_and_stage_rerun(tmp_path, models_dir):
+    config = _config(tmp_path, models_dir)
+    rt = get_runtime(config)
+    curate = STAGE_FUNCTIONS["curate"]
+    run_stage(rt, "curate", 0, curate)
+    rt.store.append("rollouts", _groups(rt.campaign, 0, "arithmetic", [1.0] * 4))
+    run_stage(rt, "curate", 1, curate)
+    assert _level(rt, 1) == (1, "advance")
+    rt.store.append("rollouts", _groups(rt.campaign, 1, "arithmetic", [1.0] * 4))
+    release_runtimes()  # the child process must be the campaign's one writer
+    path = tmp_path / "config.json"
+    path.write_text(config.model_dump_json())
+    env = {**os.environ, "EVERTRAIN_PROGRESS": "0"}
+    for point in ("before_commit", "end"):  # killed inside the level's write, then after the stage's writes
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(path), "2"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env={**env, "EVERTRAIN_KILL_AT": f"curate:{point}"})
+        assert done.returncode == -9, done.stderr[-2000:]
+    rt = get_runtime(config)
+    assert _level(rt, 1) == (1, "advance")  # what was stored before the kills is intact
+    assert rt.store.stage_status(rt.campaign, 2).get("curate") != "completed"
+    # the rerun (here, like a resumed campaign) decides from earlier iterations only: the same level, one row
+    run_stage(rt, "curate", 2, curate)
+    assert _level(rt, 2) == (2, "advance")
+    rows, problems = rt.store.counts()["curriculum"], rt.store.counts()["problems"]
+    run_stage(rt, "curate", 2, curate)
+    assert _level(rt, 2) == (2, "advance")
+    assert rt.store.counts()["curriculum"] == rows == 3 and rt.store.counts()["problems"] == problems
+
+
+def test_broad_sealed_set_never_enters_curation_or_the_gate(tmp_path, models_dir):
+    config = smoke_config_in(tmp_path, models_dir, curriculum={"window": 4, "broad_per_level": 6},
+                             environments=[{"name": "arithmetic", "weight": 1, "options": {"high": 20}},
+                                           {"name": "gsm8k", "weight": 1}])
+    rt = get_runtime(config)
+    curate = STAGE_FUNCTIONS["curate"]
+    run_stage(rt, "curate", 0, curate)
+    stored = rt.store.query("SELECT * FROM broad_sealed WHERE campaign = ?", [rt.campaign])
+    arithmetic = stored[stored["env"] == "arithmetic"]
+    ladder = ladder_for(rt.env("arithmetic"))
+    assert ladder is not None
+    assert sorted(arithmetic["level"].dropna().astype(int).unique()) == list(range(ladder.levels))
+    assert set(arithmetic["source"]) == {"level", "transfer"}
+    # a fixed data set has no generated levels: its broad share is its sealed test split
+    assert set(stored[stored["env"] == "gsm8k"]["source"]) == {"test"}
+    ids = broad_ids(rt)
+    from evertrain.tasks.evaluate import eval_problems, sealed_problems
+
+    assert ids and not ids & {p.id for p in eval_problems(rt)}  # not the gate's
+    # curation refuses every broad problem offered to it, as contaminated
+    from evertrain.tasks.curate import RULES, select
+
+    offered = [p for p in broad_problems(rt) if p.env == "arithmetic"]
+    dropped = dict.fromkeys(RULES, 0)
+    kept = select(rt, 1, rt.env("arithmetic"), offered, len(offered), set(), NgramIndex(n=3), dropped)
+    assert kept == [] and dropped["contaminated"] == len(offered)
+    # a few iterations at a high level (2..2000, a small space with the broad set inside it) never train on one
+    rt.store.append("rollouts", _groups(rt.campaign, 0, "arithmetic", [1.0] * 4))
+    for iteration in range(1, 4):
+        run_stage(rt, "curate", iteration, curate)
+        rt.store.append("rollouts", _groups(rt.campaign, iteration, "arithmetic", [1.0] * 4))
+    trained = set(rt.store.query("SELECT problem_id FROM problems WHERE campaign = ?", [rt.campaign])["problem_id"])
+    assert _level(rt, 3)[0] == 3 and not trained & ids
+    # drawn once: a later curate does not redraw it
+    assert broad_ids(rt) == ids
+    # measured beside the sealed splits, as split 'broad', never as the gate's
+    from evertrain.tasks.evaluate import evaluate_sealed
+
+    evaluate_sealed(rt, 3, [rt.trainee_version()])
+    evals = rt.store.query("SELECT split, problem_id FROM evals WHERE campaign = ? AND sample = 0", [rt.campaign])
+    broad_rows = set(evals[evals["split"] == "broad"]["problem_id"])
+    sealed = {p.id for p in sealed_problems(rt)}
+    assert broad_rows == ids - sealed and not set(evals[evals["split"] == "gate"]["problem_id"]) & ids
+
+
+def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_dir):
+    rt = get_runtime(_config(tmp_path, models_dir))
+    c = rt.campaign
+
+    def row(problem: str, sample: int, completion: str, reward: float, logprobs: list[float], mask: list[int]):
+        return {"campaign": c, "iteration": 5, "problem_id": problem, "sample": sample, "env": "arithmetic",
+                "policy_version": 1, "completion": completion, "reward": reward, "passed": reward == 1.0,
+                "logprobs": logprobs, "loss_mask": mask}
+
+    rt.store.append("rollouts", [
+        # group a: 3 copies of one answer and 1 other, rewards disagree; a tool token (mask 0, log-prob 0)
+        row("a", 0, "#### 5", 1.0, [-0.5, -1.5, 0.0], [1, 1, 0]),
+        row("a", 1, "#### 5", 1.0, [-0.5, -1.5, 0.0], [1, 1, 0]),
+        row("a", 2, "#### 5", 1.0, [-0.5, -1.5, 0.0], [1, 1, 0]),
+        row("a", 3, "#### 7", 0.0, [-2.0, -4.0, 0.0], [1, 1, 0]),
+        # group b: 4 copies of the same wrong answer: no signal
+        *[row("b", s, "#### 9", 0.0, [-0.25, -0.25], [1, 1]) for s in range(4)],
+        # an unscored rollout does not count
+        {"campaign": c, "iteration": 5, "problem_id": "z", "sample": 0, "env": "arithmetic", "policy_version": 1,
+         "completion": "x"},
+    ])
+    [got] = diversity(rt.store, c, 5)
+    assert got["groups"] == 2
+    assert got["distinct_completions"] == pytest.approx(1.5)  # (2 + 1) / 2
+    assert got["distinct_share"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert got["informative_share"] == pytest.approx(0.5)
+    # -mean log-prob of the 16 policy tokens: (3 * 2.0 + 6.0 + 4 * 0.5) / 16
+    assert got["token_entropy"] == pytest.approx((3 * 2.0 + 6.0 + 4 * 0.5) / 16)
+    metrics = diversity_metrics(rt.store, c, 5)
+    assert metrics["diversity_distinct_completions"] == pytest.approx(1.5)
+    assert diversity_metrics(rt.store, c, 6) == {}
+    # the score stage records them from the store, into stage_runs and MLflow (here a score stage that
+    # graded nothing new: the metrics come from the rollouts as stored)
+    recorded = run_stage(rt, "score", 5, lambda rt, iteration: {})
+    assert recorded["diversity_informative_share"] == pytest.approx(0.5)
+    runs = rt.tracker.client.search_runs([rt.tracker.experiment_id])
+    assert any(run.data.metrics.get("score/diversity_distinct_completions") == 1.5 for run in runs)
+
+
+def test_gate_power_is_the_paired_test_solved_for_the_gain():
+    from statistics import NormalDist
+
+    gain = min_detectable_gain(100, 0.1, 0.8, 0.3)
+    assert gain is not None and 0.05 < gain < 0.3
+    z_a, z_b = NormalDist().inv_cdf(0.9), NormalDist().inv_cdf(0.8)
+    needed = (z_a * 0.3 ** 0.5 + z_b * (0.3 - gain ** 2) ** 0.5) ** 2 / gain ** 2
+    assert needed == pytest.approx(100, rel=1e-3)  # the formula, solved back
+    bigger = min_detectable_gain(400, 0.1, 0.8, 0.3)
+    assert bigger is not None and bigger < gain / 1.8  # 4x the problems: about half the gain
+    assert min_detectable_gain(3, 0.1, 0.8, 0.05) is None  # too few problems to see anything
+
+
+def test_generator_levels_grade_their_own_references():
+    for name, options in [("arithmetic", {}), ("arithmetic", {"style": "varied"}), ("calculator", {}),
+                          ("rg:basic_arithmetic", {})]:
+        env = registry.get(name, **options)
+        ladder = ladder_for(env)
+        assert ladder is not None and ladder.levels >= 4
+        for level in range(ladder.levels):
+            problems = ladder.problems(level, 6, seed=3, history=lambda ids: {})
+            assert problems and all(p.env == env.name and p.split == "train" for p in problems)
+            for problem in problems[:3]:
+                assert env.verify(problem, env.reference(problem) or "").passed, (name, level, problem)
+                assert not env.verify(problem, "#### 0").passed or problem.payload.get("answer") == "0"
+    arithmetic = registry.get("arithmetic")
+    ladder = ladder_for(arithmetic)
+    ops = {p.payload.get("expr", p.prompt).split()[-2] for level in range(ladder.levels)
+           for p in ladder.problems(level, 40, seed=1, history=lambda ids: {})}
+    assert "*" not in ops  # the transfer split's operator is never trained on at any level
+    # reasoning-gym's caesar_cipher curriculum asks a rotation of 50 from its level 2, which its own config
+    # refuses: the ladder stops below the first level the generator cannot build
+    assert ladder_for(registry.get("rg:caesar_cipher")).levels == 2
+    # a reasoning-gym config that fixes a field the curriculum moves keeps that difficulty: no ladder
+    assert ladder_for(registry.get("rg:basic_arithmetic", config={"max_terms": 3})) is None
+
+
+def test_band_levels_order_by_measured_pass_rate():
+    env = registry.get("gsm8k")
+    ladder = ladder_for(env)
+    assert isinstance(ladder, BandLadder) and ladder.start == 1
+    pool = env.problems("train", 8, 5)
+    assert [p.id for p in ladder.problems(1, 4, 5, lambda ids: {})] == [p.id for p in env.problems("train", 4, 5)]
+    drawn = ladder.problems(0, 4, 5, lambda ids: {})
+    rates = {drawn[-1].id: 1.0, drawn[-2].id: 0.0}
+    easy, hard = ladder.problems(0, 4, 5, lambda ids: rates), ladder.problems(2, 4, 5, lambda ids: rates)
+    assert easy[0].id == drawn[-1].id and easy[-1].id == drawn[-2].id
+    assert hard[0].id == drawn[-2].id and hard[-1].id == drawn[-1].id
+    assert pool  # the pool is the environment's own
+
+
+def test_terminal_level_zero_tasks_pass_their_reference_and_nothing_else():
+    from evertrain.envs.terminal_levels import TEMPLATES, task_names
+
+    env = registry.get("terminal")
+    ladder = ladder_for(env)
+    assert ladder is not None and ladder.levels == 3
+    problems = ladder.problems(0, 2 * len(TEMPLATES), seed=0, history=lambda ids: {})
+    templates = {p.payload["task"].split(":")[1] for p in problems}
+    assert templates == set(TEMPLATES)
+    seen = set()
+    for problem in problems:
+        template = problem.payload["task"].split(":")[1]
+        if template in seen:
+            continue
+        seen.add(template)
+        assert env.verify(problem, env.reference(problem) or "").passed, problem.payload["task"]
+        assert not env.verify(problem, "Done.").passed
+        assert not env.verify(problem, "<bash>\nls\n</bash>").passed
+    # level 1 is the vendored one-command tasks, level 2 all vendored training tasks (code fixes included)
+    one = {p.payload["task"] for p in ladder.problems(1, 40, 0, lambda ids: {})}
+    every = {p.payload["task"] for p in ladder.problems(2, 60, 0, lambda ids: {})}
+    assert not any(name.startswith("fix-") for name in one) and any(name.startswith("fix-") for name in every)
+    assert task_names(5, 1) == task_names(5, 1) != task_names(5, 2)
