@@ -316,8 +316,8 @@ class Terminal(Environment):
                 return Verdict.fail("terminal_failed", error="the workspace did not come back", **detail)
         nonce = secrets.token_hex(16)
         record = run_python(_CHECK_RUNNER, purpose="terminal:check", limits=CHECK_LIMITS,
-                            files={"workspace.tar": tar, "check.py": task.check, "bashrc": bashrc()},
-                            stdin=(nonce + "\n").encode())
+                            files={"workspace.tar": tar, "bashrc": bashrc()},
+                            stdin=(nonce + "\n" + task.check).encode())
         runs.append(_audit(record))
         lines = [line for line in record.stdout.splitlines() if line.strip()]
         last = lines[-1] if lines else ""
