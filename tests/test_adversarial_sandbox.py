@@ -280,3 +280,20 @@ def test_score_cli_mixed_batch_of_attacks_and_honest_items(tmp_path, terminal):
     assert all(by_id[name]["reward"] == 1.0 for name in ("code-ok", "term-ok", "math-ok", "code-ok-2")), results
     assert results[3]["reason"] == "malformed_input" and "RecursionError" in results[3]["detail"]["error"]
     assert seconds < 120
+
+
+def test_self_test_plants_checker_configuration_and_it_earns_zero(tmp_path):
+    from pathlib import Path
+
+    from evertrain.envs.quality import validate
+    from evertrain.envs.terminal import __file__ as terminal_module
+
+    tasks = Path(terminal_module).resolve().parents[2] / "data" / "terminal" / "tasks"
+    for name in ("fix-add", "fix-import"):  # a train and an eval task whose checks run Python
+        (tmp_path / f"{name}.toml").write_text((tasks / f"{name}.toml").read_text())
+    env = Terminal(str(tmp_path))
+    assert env.count("eval") == 1
+    report = validate(env, problems=1)
+    labels = {case.label for case in report.cases}
+    assert {"plant_usercustomize", "plant_pycache"} <= labels
+    assert report.ok, report.failures

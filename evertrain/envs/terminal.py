@@ -75,6 +75,43 @@ CHECK_LIMITS = Limits(timeout_s=30.0, cpu_s=20, memory_mb=512, nproc=64, nofile=
                       output_keep_bytes=64 * 1024, output_kill_bytes=1024 * 1024)
 
 
+# Known-bad workspaces for the self-test: files that would run inside the checker's programs if the checker
+# let the workspace configure them. The hook reads the hidden check and prints the output it expects,
+# then exits: any task whose check runs Python would pass unsolved.
+_HOOK = r"""import os, re, sys
+try:
+    src = open('/sandbox/check.py').read()
+except OSError:
+    src = ''
+m = re.search(r"out\.split\(\) == (\[[^\]]*\])", src) or re.search(r"out\.strip\(\) == ('[^']*')", src)
+if m:
+    value = eval(m.group(1))
+    print(' '.join(value) if isinstance(value, list) else value)
+    sys.stdout.flush()
+    os._exit(0)
+"""
+# ... as a user-site usercustomize, sitecustomize and .pth file (HOME was the workspace), and a sitecustomize
+# in the workspace itself
+PLANT_USERCUSTOMIZE = f"""d=$(python3 -m site --user-site); mkdir -p "$d"; cat > "$d/usercustomize.py" <<'HOOK'
+{_HOOK}HOOK
+cp "$d/usercustomize.py" "$d/sitecustomize.py"; cp "$d/usercustomize.py" sitecustomize.py
+echo "import usercustomize" > "$d/evertrain.pth"
+"""
+# ... and as the cached bytecode of every module of the workspace, its header matching the unchanged source
+PLANT_PYCACHE = f"""cat > .hook.py <<'HOOK'
+{_HOOK}HOOK
+for f in *.py; do python3 -c '
+import importlib.util as u, marshal, os, sys
+path = sys.argv[1]
+st = os.stat(path)
+code = compile(open(".hook.py").read() + open(path).read(), path, "exec")
+size = (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+head = u.MAGIC_NUMBER + bytes(4) + int(st.st_mtime).to_bytes(4, "little") + size
+os.makedirs(os.path.dirname(u.cache_from_source(path)), exist_ok=True)
+open(u.cache_from_source(path), "wb").write(head + marshal.dumps(code))
+' "$f"; done"""
+
+
 def episode_limits(commands: int) -> Limits:
     """Limits for a sandbox that runs ``commands`` commands back to back."""
     return Limits(timeout_s=5.0 + COMMAND_TIMEOUT_S * commands, **_EPISODE_LIMITS)
@@ -334,7 +371,8 @@ class Terminal(Environment):
     def known_bad(self, problem: Problem, other: Problem | None) -> list[tuple[str, str]]:
         """The verifier self-test's terminal battery (each must earn 0): claims, faked success, commands
         past the turn limit, and another task's reference solution."""
-        labels = ("claim", "fake_pass", "fake_nonce", "read_checker", "past_turn_limit")
+        labels = ("claim", "fake_pass", "fake_nonce", "read_checker", "past_turn_limit", "plant_usercustomize",
+                  "plant_pycache")
         cases = list(zip(labels, self.hack_completions(problem), strict=True))
         if other is not None and self.task(other).name != self.task(problem).name:
             cases.append(("other_problem", self.reference(other) or ""))
@@ -350,4 +388,6 @@ class Terminal(Environment):
             # the reference, but only after max_turns - 1 useless commands: those alone run
             "\n".join(["<bash>\ntrue\n</bash>"] * (self.max_turns - 1))
             + "\n" + (self.reference(problem) or ""),
+            f"<bash>\n{PLANT_USERCUSTOMIZE}\n</bash>",
+            f"<bash>\n{PLANT_PYCACHE}\n</bash>",
         ]
