@@ -297,3 +297,20 @@ def test_self_test_plants_checker_configuration_and_it_earns_zero(tmp_path):
     labels = {case.label for case in report.cases}
     assert {"plant_usercustomize", "plant_pycache"} <= labels
     assert report.ok, report.failures
+
+
+def test_tree_watcher_bounds_the_cpu_of_detached_children_where_no_cgroup_can_be_made(monkeypatch):
+    from evertrain.sandbox import cgroup
+
+    monkeypatch.setenv(cgroup.DISABLE_ENV, "1")
+    cgroup.backend.cache_clear()
+    try:
+        assert cgroup.backend() is None
+        limits = Limits(timeout_s=20, cpu_s=2, nproc=32)
+        record = run_python(BUSY_DETACHED.format(n=4), limits=limits)
+    finally:
+        monkeypatch.delenv(cgroup.DISABLE_ENV)
+        cgroup.backend.cache_clear()
+    # killed at the tree's budget (cpu_s + 1), not at the wall clock; the row counts what the tree burned
+    assert record.limit_hit == "cpu" and record.wall_s < limits.timeout_s, record
+    assert record.cpu_s >= limits.cpu_s + 1, record
