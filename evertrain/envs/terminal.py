@@ -32,10 +32,15 @@ blocks (:meth:`Terminal.episode_text` builds it from the turns; ``evertrain scor
 text). The grader replays the commands in a fresh sandbox, takes the resulting workspace out as a tar
 archive, and runs the task's checker in ANOTHER fresh sandbox on a copy of it. The checker never
 imports workspace code: it reads files and runs workspace programs as subprocesses and compares what
-they print. The runner around it reads a per-grade nonce from stdin, closes stdin and marks itself
-non-dumpable before anything of the workspace runs, so a workspace program can neither read the nonce
-(``/proc/<pid>/mem``, ``/proc/<pid>/fd``) nor write to the runner's stdout; the task passes only when
-the runner prints ``PASS <nonce>`` after every check held.
+they print. The runner around it reads a per-grade nonce AND the checker itself from stdin, closes stdin
+and marks itself non-dumpable before anything of the workspace runs, so a workspace program can neither
+read the nonce or the hidden check (neither is ever a file in the sandbox; ``/proc/<pid>/mem``,
+``/proc/<pid>/fd`` are closed to it) nor write to the runner's stdout; the task passes only when the
+runner prints ``PASS <nonce>`` after every check held. The workspace is data only: the programs the
+checker runs get a fixed environment (no HOME in the workspace, no user site, no bytecode read from the
+workspace), so files the agent planted to configure them (``usercustomize``, ``.pth``, ``__pycache__``,
+dotfiles) do nothing; the self-test plants them on every problem (``plant_usercustomize``,
+``plant_pycache``).
 
 Audit: every sandboxed process is a ``sandbox_runs`` row (purpose ``tool:terminal``,
 ``terminal:replay``, ``terminal:check``); every command of a graded episode, with its exit status,

@@ -373,6 +373,7 @@ class _Process:
     group: cgroup.Group | None = None  # the run's own cgroup: limits and counts the whole tree
     watcher: cgroup.TreeWatcher | None = None  # the fallback where no cgroup (or no CPU count) can be made
     cpu_check_at: float | None = None  # when to next read the group's CPU time (None: the group cannot)
+    cpu_cores: float = 1.0  # the most cores the tree can run on at once (its cpu.max, or the machine's)
 
     def take(self, stream: int, chunk: bytes) -> None:
         keep = self.job.limits.output_keep_bytes
@@ -439,14 +440,15 @@ def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
     else:
         argv = _python_argv(f"{base}/prelude.py", uid, job.limits, [f"{base}/main.py", *job.args], "main",
                             report_w)
-    group = None
+    group, bandwidth_bound = None, False
     if sandboxed:
         argv = _bwrap_argv(job, file_fds, uid) + argv
         tree_backend = cgroup.backend()
         if tree_backend is not None:
             # room for bwrap, its monitor and the sandbox's PID 1 besides the job's own processes
             group = cgroup.Group.create(tree_backend, job.limits.memory_mb, job.limits.nproc + 4)
-            if not group.limit_cpu(job.limits.cpu_cores):
+            bandwidth_bound = group.limit_cpu(job.limits.cpu_cores)
+            if not bandwidth_bound:
                 _warn_once("no writable cgroup cpu controller here: a sandbox tree's CPU is bounded in total "
                            "(cpu_s + 1 seconds), not in bandwidth")
             argv = cgroup.enter_argv(group, argv)
@@ -472,7 +474,8 @@ def _spawn(job: Job, sandboxed: bool) -> tuple[_Process, list[int], str | None]:
     pidfd = os.pidfd_open(popen.pid)
     proc = _Process(job, popen, pidfd, t0, started_at, uid=uid, report_fd=report_r, group=group)
     if group is not None and group.counts_cpu:
-        proc.cpu_check_at = t0 + _cpu_budget(job.limits) / job.limits.cpu_cores
+        proc.cpu_cores = job.limits.cpu_cores if bandwidth_bound else float(os.cpu_count() or 1)
+        proc.cpu_check_at = t0 + _cpu_budget(job.limits) / proc.cpu_cores
     elif sandboxed:  # the watcher: memory too where there is no group at all
         proc.watcher = cgroup.TreeWatcher(
             popen.pid, job.limits.memory_mb * 1024 if group is None else None, lambda: proc.kill("memory"),
@@ -490,7 +493,7 @@ def _check_cpu(proc: _Process, now: float) -> None:
     earliest moment it could (the tree uses at most cpu_cores cores), so a short run is never polled."""
     assert proc.group is not None
     used = proc.group.cpu_s()
-    budget, cores = _cpu_budget(proc.job.limits), proc.job.limits.cpu_cores
+    budget, cores = _cpu_budget(proc.job.limits), proc.cpu_cores
     if used is not None and used >= budget:
         proc.kill("cpu")
         proc.cpu_check_at = None
