@@ -91,7 +91,8 @@ def _v1_base(folder: str, key: str, paths: dict[str, str]) -> Path | None:
     mount = ROOT / folder
     if not mount.is_dir():
         return None
-    base = mount / paths.get(key, "/").lstrip("/")
+    # resolved: co-mounted hierarchies ("cpu" and "cpuacct" links to "cpu,cpuacct") must be one folder
+    base = (mount / paths.get(key, "/").lstrip("/")).resolve()
     return base if base.is_dir() and _writable_base(base) else None
 
 
@@ -106,6 +107,7 @@ def backend() -> Backend | None:
         own = ROOT / paths[""].lstrip("/")
         available = set(controllers.read_text().split())
         if {"memory", "pids"} <= available:
+            enabled: set[str] = set()
             with contextlib.suppress(OSError):
                 enabled = set((own / "cgroup.subtree_control").read_text().split())
                 if not {"memory", "pids"} <= enabled:
