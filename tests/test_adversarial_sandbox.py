@@ -339,21 +339,3 @@ def test_tree_watcher_bounds_the_cpu_of_detached_children_where_no_cgroup_can_be
     assert record.limit_hit == "cpu" and record.wall_s < limits.timeout_s, record
     assert record.cpu_s >= limits.cpu_s + 1, record
 
-
-def test_a_trees_cpu_group_keeps_the_graders_nice_level():
-    import os
-
-    from evertrain.sandbox import cgroup
-
-    backend = cgroup.backend()
-    if backend is None or backend.version != 1 or "cpu" not in backend.bases:
-        pytest.skip("no v1 cpu hierarchy here (v2 writes cpu.weight the same way)")
-    group = cgroup.Group.create(backend, 64, 8)
-    try:
-        assert group.limit_cpu(0.5)
-        shares = int((group.dirs["cpu"] / "cpu.shares").read_text())
-        quota = int((group.dirs["cpu"] / "cpu.cfs_quota_us").read_text())
-    finally:
-        group.remove()
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
-    assert shares == cgroup._NICE_WEIGHTS[nice + 20] and quota == 50_000
