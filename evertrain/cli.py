@@ -97,20 +97,90 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_score(args: argparse.Namespace) -> int:
+# A longer input line is refused unread (its own error result): parsing it could take the process's
+# memory. Far above any graded item (completions are cut at scoring.MAX_COMPLETION_CHARS characters).
+MAX_SCORE_LINE_BYTES = 32 * 1024 * 1024
+
+
+def read_score_input(path: Path, max_line_bytes: int = MAX_SCORE_LINE_BYTES) -> list[tuple[str, str | None]]:
+    """The lines of an ``evertrain score`` input: (text, None) or ("", why the line cannot be read).
+
+    Lines end at ``\n`` only (a JSON string may hold U+2028, U+0085 ... which ``str.splitlines`` would
+    split on); a trailing ``\r`` is dropped. Each line is decoded as strict UTF-8 on its own, so one
+    undecodable line is an error of its own; a line past ``max_line_bytes`` is skipped without being
+    held in memory. A blank line is an error too: every line of the file gets a result.
+    """
+    entries: list[tuple[str, str | None]] = []
+    with open(path, "rb") as file:
+        while True:
+            raw = file.readline(max_line_bytes + 1)
+            if not raw:
+                break
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                size = len(raw)
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line, a chunk at a time
+                    raw = file.readline(1024 * 1024)
+                    size += len(raw)
+                entries.append(("", f"line longer than {max_line_bytes} bytes ({size} bytes)"))
+                continue
+            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+            if not entries:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                entries.append(("", f"not valid UTF-8 (byte {error.start}: {raw[error.start:error.start + 4]!r})"))
+                continue
+            entries.append((text, None) if text.strip() else ("", "blank line"))
+    return entries
+
+
+def score_entries(entries: list[tuple[str, str | None]], workers: int | None = None, progress: Any = None,
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One result per entry of :func:`read_score_input`, in order, and the sandbox audit rows."""
     from evertrain.scoring import score_lines
+
+    texts = [text for text, error in entries if error is None]
+    scored, audit = score_lines(texts, workers=workers, progress=progress)
+    if len(scored) != len(texts):
+        raise RuntimeError(f"score_lines returned {len(scored)} results for {len(texts)} lines")
+    graded = iter(scored)
+    results: list[dict[str, Any]] = []
+    for number, (_, error) in enumerate(entries, 1):
+        if error is not None:
+            results.append({"id": None, "reward": 0.0, "passed": False, "reason": "malformed_input",
+                            "detail": {"line": number, "error": error}})
+            continue
+        result = next(graded)
+        if result.get("reason") == "malformed_input" and isinstance(result.get("detail"), dict):
+            result["detail"]["line"] = number  # score_lines numbered the readable lines only
+        results.append(result)
+    return results, audit
+
+
+def _result_line(result: dict[str, Any]) -> str:
+    """A result as one JSON line; a verdict whose detail cannot be written keeps its reward, not its detail."""
+    try:
+        return json.dumps(result, default=str) + "\n"
+    except (TypeError, ValueError, RecursionError) as error:
+        kept = {key: result.get(key) for key in ("id", "reward", "passed", "reason")}
+        return json.dumps({**kept, "detail": {"unwritable_detail": f"{type(error).__name__}: {error}"[:300]}},
+                          default=str) + "\n"
+
+
+def cmd_score(args: argparse.Namespace) -> int:
     from evertrain.tasks.base import progress
 
     source = Path(args.input)
     if not source.is_file():
         print(f"evertrain: error: input file {source} does not exist", file=sys.stderr)
         return 2
-    lines = [line for line in source.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    with progress(len(lines), "score", "item") as bar:
-        results, audit = score_lines(lines, workers=args.workers, progress=bar)
+    entries = read_score_input(source)
+    with progress(sum(error is None for _, error in entries), "score", "item") as bar:
+        results, audit = score_entries(entries, workers=args.workers, progress=bar)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("".join(json.dumps(r, default=str) + "\n" for r in results), encoding="utf-8")
+    output.write_text("".join(_result_line(r) for r in results), encoding="utf-8")
     where = _write_audit(audit, args.store, output)
     passed = sum(r["passed"] for r in results)
     malformed = sum(r["reason"] == "malformed_input" for r in results)

@@ -85,6 +85,8 @@ def score_lines(lines: list[str], workers: int | None = None, progress: Any = No
         item_id: Any = None
         try:
             item = json.loads(line)
+            if "\\u" in line:  # only an escape can make a lone surrogate; nothing can encode one
+                item = without_lone_surrogates(item)
             if not isinstance(item, dict):
                 raise ValueError("each line must be a JSON object")
             item_id = item.get("id")
@@ -97,9 +99,10 @@ def score_lines(lines: list[str], workers: int | None = None, progress: Any = No
                 envs[item["env"]] = registry.get(item["env"])
             env = envs[item["env"]]
             problem = env.parse_problem(item["problem"])
-        except (ValueError, TypeError) as error:  # JSONDecodeError and UnknownEnvironment are ValueErrors
+        except Exception as error:  # JSONDecodeError, UnknownEnvironment; RecursionError (deep nesting) ...
             results[number] = {"id": item_id if isinstance(item_id, str) else None, "reward": 0.0, "passed": False,
-                               "reason": "malformed_input", "detail": {"line": number + 1, "error": str(error)}}
+                               "reason": "malformed_input",
+                               "detail": {"line": number + 1, "error": f"{type(error).__name__}: {error}"[:500]}}
             if progress is not None:
                 progress.update(1)
             continue
@@ -112,3 +115,33 @@ def score_lines(lines: list[str], workers: int | None = None, progress: Any = No
         results[number] = {"id": item_id, "reward": verdict.reward, "passed": verdict.passed,
                            "reason": verdict.reason, "detail": verdict.detail}
     return [r for r in results if r is not None], audit
+
+
+def without_lone_surrogates(value: Any) -> Any:
+    """``value`` (parsed JSON) with every lone surrogate in its strings replaced by U+FFFD, as a UTF-8
+    decoder would: JSON may escape one (``"\\ud800"``), no grader can encode it. Iterative: no depth limit."""
+    import re
+
+    surrogate = re.compile("[\ud800-\udfff]")
+
+    def clean(text: str) -> str:
+        return surrogate.sub("\ufffd", text)
+
+    if isinstance(value, str):
+        return clean(value)
+    root = [value]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        container, key = stack.pop()
+        item = container[key]
+        if isinstance(item, str):
+            container[key] = clean(item)
+        elif isinstance(item, list):
+            stack += [(item, index) for index in range(len(item))]
+        elif isinstance(item, dict):
+            for name in list(item):
+                fixed = clean(name) if isinstance(name, str) else name
+                if fixed != name:
+                    item[fixed] = item.pop(name)
+                stack.append((item, fixed))
+    return root[0]

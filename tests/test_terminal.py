@@ -47,7 +47,7 @@ def test_self_test_validates_the_terminal(env):
     report = validate(env, problems=2)
     assert report.ok, report.failures
     labels = {case.label for case in report.cases}
-    assert {"fake_nonce", "past_turn_limit", "other_problem"} <= labels
+    assert {"fake_nonce", "past_turn_limit", "other_problem", "plant_usercustomize", "plant_pycache"} <= labels
     assert report.sandbox_runs  # every sandboxed process of the self-test is audited
 
 

@@ -32,10 +32,15 @@ blocks (:meth:`Terminal.episode_text` builds it from the turns; ``evertrain scor
 text). The grader replays the commands in a fresh sandbox, takes the resulting workspace out as a tar
 archive, and runs the task's checker in ANOTHER fresh sandbox on a copy of it. The checker never
 imports workspace code: it reads files and runs workspace programs as subprocesses and compares what
-they print. The runner around it reads a per-grade nonce from stdin, closes stdin and marks itself
-non-dumpable before anything of the workspace runs, so a workspace program can neither read the nonce
-(``/proc/<pid>/mem``, ``/proc/<pid>/fd``) nor write to the runner's stdout; the task passes only when
-the runner prints ``PASS <nonce>`` after every check held.
+they print. The runner around it reads a per-grade nonce AND the checker itself from stdin, closes stdin
+and marks itself non-dumpable before anything of the workspace runs, so a workspace program can neither
+read the nonce or the hidden check (neither is ever a file in the sandbox; ``/proc/<pid>/mem``,
+``/proc/<pid>/fd`` are closed to it) nor write to the runner's stdout; the task passes only when the
+runner prints ``PASS <nonce>`` after every check held. The workspace is data only: the programs the
+checker runs get a fixed environment (no HOME in the workspace, no user site, no bytecode read from the
+workspace), so files the agent planted to configure them (``usercustomize``, ``.pth``, ``__pycache__``,
+dotfiles) do nothing; the self-test plants them on every problem (``plant_usercustomize``,
+``plant_pycache``).
 
 Audit: every sandboxed process is a ``sandbox_runs`` row (purpose ``tool:terminal``,
 ``terminal:replay``, ``terminal:check``); every command of a graded episode, with its exit status,
@@ -74,6 +79,43 @@ _EPISODE_LIMITS = dict(cpu_s=20, memory_mb=512, nproc=64, nofile=64, fsize_mb=4,
                        output_keep_bytes=4 * 1024 * 1024, output_kill_bytes=8 * 1024 * 1024)
 CHECK_LIMITS = Limits(timeout_s=30.0, cpu_s=20, memory_mb=512, nproc=64, nofile=64, fsize_mb=4, tmpfs_mb=16,
                       output_keep_bytes=64 * 1024, output_kill_bytes=1024 * 1024)
+
+
+# Known-bad workspaces for the self-test: files that would run inside the checker's programs if the checker
+# let the workspace configure them. The hook reads the hidden check and prints the output it expects,
+# then exits: any task whose check runs Python would pass unsolved.
+_HOOK = r"""import os, re, sys
+try:
+    src = open('/sandbox/check.py').read()
+except OSError:
+    src = ''
+m = re.search(r"out\.split\(\) == (\[[^\]]*\])", src) or re.search(r"out\.strip\(\) == ('[^']*')", src)
+if m:
+    value = eval(m.group(1))
+    print(' '.join(value) if isinstance(value, list) else value)
+    sys.stdout.flush()
+    os._exit(0)
+"""
+# ... as a user-site usercustomize, sitecustomize and .pth file (HOME was the workspace), and a sitecustomize
+# in the workspace itself
+PLANT_USERCUSTOMIZE = f"""d=$(python3 -m site --user-site); mkdir -p "$d"; cat > "$d/usercustomize.py" <<'HOOK'
+{_HOOK}HOOK
+cp "$d/usercustomize.py" "$d/sitecustomize.py"; cp "$d/usercustomize.py" sitecustomize.py
+echo "import usercustomize" > "$d/evertrain.pth"
+"""
+# ... and as the cached bytecode of every module of the workspace, its header matching the unchanged source
+PLANT_PYCACHE = f"""cat > .hook.py <<'HOOK'
+{_HOOK}HOOK
+for f in *.py; do python3 -c '
+import importlib.util as u, marshal, os, sys
+path = sys.argv[1]
+st = os.stat(path)
+code = compile(open(".hook.py").read() + open(path).read(), path, "exec")
+size = (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+head = u.MAGIC_NUMBER + bytes(4) + int(st.st_mtime).to_bytes(4, "little") + size
+os.makedirs(os.path.dirname(u.cache_from_source(path)), exist_ok=True)
+open(u.cache_from_source(path), "wb").write(head + marshal.dumps(code))
+' "$f"; done"""
 
 
 def episode_limits(commands: int) -> Limits:
@@ -319,8 +361,8 @@ class Terminal(Environment):
                 return Verdict.fail("terminal_failed", error="the workspace did not come back", **detail)
         nonce = secrets.token_hex(16)
         record = run_python(_CHECK_RUNNER, purpose="terminal:check", limits=CHECK_LIMITS,
-                            files={"workspace.tar": tar, "check.py": task.check, "bashrc": bashrc()},
-                            stdin=(nonce + "\n").encode())
+                            files={"workspace.tar": tar, "bashrc": bashrc()},
+                            stdin=(nonce + "\n" + task.check).encode())
         runs.append(_audit(record))
         lines = [line for line in record.stdout.splitlines() if line.strip()]
         last = lines[-1] if lines else ""
@@ -337,7 +379,8 @@ class Terminal(Environment):
     def known_bad(self, problem: Problem, other: Problem | None) -> list[tuple[str, str]]:
         """The verifier self-test's terminal battery (each must earn 0): claims, faked success, commands
         past the turn limit, and another task's reference solution."""
-        labels = ("claim", "fake_pass", "fake_nonce", "read_checker", "past_turn_limit")
+        labels = ("claim", "fake_pass", "fake_nonce", "read_checker", "past_turn_limit", "plant_usercustomize",
+                  "plant_pycache")
         cases = list(zip(labels, self.hack_completions(problem), strict=True))
         if other is not None and self.task(other).name != self.task(problem).name:
             cases.append(("other_problem", self.reference(other) or ""))
@@ -353,6 +396,8 @@ class Terminal(Environment):
             # the reference, but only after max_turns - 1 useless commands: those alone run
             "\n".join(["<bash>\ntrue\n</bash>"] * (self.max_turns - 1))
             + "\n" + (self.reference(problem) or ""),
+            f"<bash>\n{PLANT_USERCUSTOMIZE}\n</bash>",
+            f"<bash>\n{PLANT_PYCACHE}\n</bash>",
         ]
 
 

@@ -9,8 +9,13 @@ whatever they do, and the kernel enforces its limits:
   it); past it the kernel's OOM killer kills inside the group only. The group's peak is the audit row's
   ``peak_rss_kb``.
 - ``pids``: at most ``Limits.nproc`` tasks in the tree (a fork bomb stops there even as root).
-- CPU: the tree's CPU time is the audit row's ``cpu_s`` (v2: the group's ``cpu.stat``; v1: the rusage of
-  everything the sandbox's PID 1 reaped, which is every process of the namespace).
+- ``cpu``: the tree may use at most ``Limits.cpu_cores`` cores at any instant (v2 ``cpu.max``, v1
+  ``cpu.cfs_quota_us``: a bandwidth bound, however many processes it forks), and the grader kills it once
+  the group's CPU time (v2 ``cpu.stat`` ``usage_usec``, v1 ``cpuacct.usage``) passes ``cpu_s + 1``
+  seconds (see ``bwrap._pump``). That group count is the audit row's ``cpu_s``: every process of the tree,
+  detached or not, reaped or killed. (The rusage of what the sandbox's PID 1 reaped misses the orphans
+  the kernel kills when the namespace goes down: it recorded a fraction of what a tree of detached busy
+  children burned.)
 
 Both cgroup versions are handled: v2 (a unified ``/sys/fs/cgroup`` with the memory and pids
 controllers enabled for our own group) and v1 (separate ``memory`` and ``pids`` hierarchies,
@@ -19,9 +24,11 @@ under this process's own group in each hierarchy (so any limit on the grader sti
 sandboxes); after the run its usage is read, and a background thread kills anything left and removes it.
 
 Where neither is writable (not root, a read-only /sys), :func:`backend` returns None and the sandbox
-falls back to RLIMIT_AS per process plus :class:`TreeWatcher`, which sums the resident memory of the
-sandbox's processes every few milliseconds and kills the whole run past the limit. That is weaker (a
-burst faster than the polling interval can overshoot, bounded by RLIMIT_AS per process) and logged once.
+falls back to RLIMIT_AS per process plus :class:`TreeWatcher`, which sums the resident memory and CPU
+time of the sandbox's processes (psutil) every few milliseconds and kills the whole run past either
+limit. That is weaker (a burst faster than the polling interval can overshoot, bounded by RLIMIT_AS and
+RLIMIT_CPU per process; no bandwidth bound) and logged once. Where a cgroup can be made but its CPU
+controllers cannot, the watcher runs beside it for CPU alone.
 
 The process enters its group before it starts bwrap (a tiny ``sh`` writes its own pid into the group,
 then execs bwrap), so nothing of the sandbox ever runs outside it.
@@ -38,9 +45,12 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,16 @@ def _writable_base(base: Path) -> bool:
     return True
 
 
+def _v1_base(folder: str, key: str, paths: dict[str, str]) -> Path | None:
+    """The writable folder our groups go under in the v1 hierarchy mounted at ``folder``, or None."""
+    mount = ROOT / folder
+    if not mount.is_dir():
+        return None
+    # resolved: co-mounted hierarchies ("cpu" and "cpuacct" links to "cpu,cpuacct") must be one folder
+    base = (mount / paths.get(key, "/").lstrip("/")).resolve()
+    return base if base.is_dir() and _writable_base(base) else None
+
+
 @cache
 def backend() -> Backend | None:
     """The cgroup setup usable here (checked once), or None when only the fallback watcher is left."""
@@ -87,24 +107,28 @@ def backend() -> Backend | None:
         own = ROOT / paths[""].lstrip("/")
         available = set(controllers.read_text().split())
         if {"memory", "pids"} <= available:
+            enabled: set[str] = set()
             with contextlib.suppress(OSError):
                 enabled = set((own / "cgroup.subtree_control").read_text().split())
                 if not {"memory", "pids"} <= enabled:
                     (own / "cgroup.subtree_control").write_text("+memory +pids")
+            with contextlib.suppress(OSError):  # cpu.max needs the cpu controller; usage_usec is always there
+                if "cpu" in available and "cpu" not in enabled:
+                    (own / "cgroup.subtree_control").write_text("+cpu")
             if _writable_base(own) and {"memory", "pids"} <= set((own / "cgroup.subtree_control").read_text().split()):
                 return Backend(2, {"memory": own, "pids": own, "cpu": own})
     bases: dict[str, Path] = {}
-    # v1: memory and pids only. The tree's CPU comes from the sandbox's PID 1, which reaps every process
-    # of the namespace and reports their rusage; a third hierarchy would cost every run a mkdir and rmdir.
-    for controller, folder in (("memory", "memory"), ("pids", "pids")):
-        mount = ROOT / folder
-        if not mount.is_dir():
-            return None
-        key = "cpuacct" if controller == "cpu" else controller
-        base = mount / paths.get(key, "/").lstrip("/")
-        if not base.is_dir() or not _writable_base(base):
+    for controller in ("memory", "pids"):  # required
+        base = _v1_base(controller, controller, paths)
+        if base is None:
             return None
         bases[controller] = base
+    # optional: "cpu" bounds the tree's bandwidth, "cpuacct" counts its CPU time (each about 0.5 ms of
+    # mkdir and rmdir per run, the rmdir off the grade's path). Co-mounted, both are the same folder.
+    for controller, folder in (("cpu", "cpu"), ("cpuacct", "cpuacct")):
+        base = _v1_base(folder, controller, paths)
+        if base is not None:
+            bases[controller] = base
     return Backend(1, bases)
 
 
@@ -177,21 +201,52 @@ class Group:
         """The cgroup.procs files the starting process writes its pid to (one per distinct folder)."""
         return [str(path / "cgroup.procs") for path in dict.fromkeys(self.dirs.values())]
 
+    def limit_cpu(self, cores: float, period_us: int = 100_000) -> bool:
+        """Bound the tree's CPU bandwidth to ``cores`` cores; False where no cpu controller is writable.
+
+        The group keeps the default weight (a nice-0 process's), whatever the grader's nice level: a group
+        weighted down to nice 10 (110) made a short sandbox 6 to 8 times slower on a loaded machine
+        (measured: 1.8-2.4 s against 0.28-0.36 s per run), as a fresh group's load average starts at zero.
+        The bandwidth bound caps what the tree can take all the same."""
+        quota = max(1000, int(cores * period_us))
+        try:
+            if self.backend.version == 2:
+                _write(self.dirs["cpu"] / "cpu.max", f"{quota} {period_us}")
+            elif "cpu" in self.dirs:
+                _write(self.dirs["cpu"] / "cpu.cfs_period_us", str(period_us))
+                _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(quota))
+            else:
+                return False
+        except OSError:
+            return False
+        return True
+
+    @property
+    def counts_cpu(self) -> bool:
+        """Whether :meth:`cpu_s` reads the tree's CPU time from the kernel."""
+        return self.backend.version == 2 or "cpuacct" in self.dirs
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds the whole tree has used so far (every process, alive, reaped or killed)."""
+        if self.backend.version == 2:
+            usec = _read_keyed(self.dirs["cpu"] / "cpu.stat").get("usage_usec")
+            return None if usec is None else usec / 1e6
+        if "cpuacct" in self.dirs:
+            nsec = _read_int(self.dirs["cpuacct"] / "cpuacct.usage")
+            return None if nsec is None else nsec / 1e9
+        return None
+
     def usage(self) -> Usage:
         memory, pids = self.dirs["memory"], self.dirs["pids"]
-        cpu = self.dirs.get("cpu", memory)
         if self.backend.version == 2:
             peak = _read_int(memory / "memory.peak")
             events = _read_keyed(memory / "memory.events")
-            usec = _read_keyed(cpu / "cpu.stat").get("usage_usec")
-            cpu_s = None if usec is None else usec / 1e6
             memory_hit = events.get("oom_kill", 0) > 0
         else:
             peak = _read_int(memory / "memory.max_usage_in_bytes")
-            cpu_s = None  # from the sandbox's PID 1 (see backend())
             memory_hit = _read_keyed(memory / "memory.oom_control").get("oom_kill", 0) > 0
         pids_hit = _read_keyed(pids / "pids.events").get("max", 0) > 0
-        return Usage(None if peak is None else peak // 1024, cpu_s, memory_hit, pids_hit)
+        return Usage(None if peak is None else peak // 1024, self.cpu_s(), memory_hit, pids_hit)
 
     def kill_all(self) -> None:
         """SIGKILL whatever is left in the group (v2: cgroup.kill; v1: every listed pid, until none)."""
@@ -273,50 +328,54 @@ def enter_argv(group: Group, argv: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The fallback: a process-tree memory watcher
+# The fallback: a process-tree watcher (memory and CPU)
 
 
-def _tree(root: int) -> list[int]:
-    """``root`` and all its descendants, from /proc (children lists where the kernel has them)."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as file:
-                    todo += [int(child) for child in file.read().split()]
-        except OSError:
-            continue
-    return found
-
-
-def _rss_kb(pid: int) -> int:
+def _tree_usage(root: psutil.Process) -> tuple[int, float]:
+    """Resident kB and CPU seconds of ``root`` and its descendants. A process's ``children_*`` times hold
+    what it reaped (so the CPU of finished children counts too); no process is counted twice."""
+    rss, cpu = 0, 0.0
     try:
-        with open(f"/proc/{pid}/statm") as file:
-            return int(file.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
-    except (OSError, ValueError, IndexError):
-        return 0
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0, 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error), proc.oneshot():
+            rss += proc.memory_info().rss // 1024
+            times = proc.cpu_times()
+            cpu += times.user + times.system + times.children_user + times.children_system
+    return rss, cpu
 
 
 class TreeWatcher:
-    """Sums the resident memory of a process tree every ``interval_s`` and calls ``kill`` past the limit."""
+    """Sums the resident memory and CPU time of a process tree every ``interval_s``; past ``limit_kb``
+    (None: not watched) calls ``kill``, past ``cpu_budget_s`` (None: not watched) calls ``kill_cpu``."""
 
-    def __init__(self, root: int, limit_kb: int, kill: object, interval_s: float = 0.02) -> None:
-        self.root, self.limit_kb, self.kill, self.interval_s = root, limit_kb, kill, interval_s
+    def __init__(self, root: int, limit_kb: int | None, kill: Callable[[], None], interval_s: float = 0.02,
+                 cpu_budget_s: float | None = None, kill_cpu: Callable[[], None] | None = None) -> None:
+        self.limit_kb, self.kill, self.interval_s = limit_kb, kill, interval_s
+        self.cpu_budget_s, self.kill_cpu = cpu_budget_s, kill_cpu
         self.peak_kb = 0
+        self.cpu_s = 0.0  # the most CPU seconds the tree was seen to have used
         self.hit = False
+        try:
+            self.root: psutil.Process | None = psutil.Process(root)
+        except psutil.Error:
+            self.root = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tree-watcher-{root}")
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            total = sum(_rss_kb(pid) for pid in _tree(self.root))
-            self.peak_kb = max(self.peak_kb, total)
-            if total > self.limit_kb:
+        while self.root is not None and not self._stop.is_set():
+            rss, cpu = _tree_usage(self.root)
+            self.peak_kb, self.cpu_s = max(self.peak_kb, rss), max(self.cpu_s, cpu)
+            if self.limit_kb is not None and rss > self.limit_kb:
                 self.hit = True
-                self.kill()  # type: ignore[operator]
+                self.kill()
+                return
+            if self.cpu_budget_s is not None and cpu > self.cpu_budget_s and self.kill_cpu is not None:
+                self.kill_cpu()
                 return
             self._stop.wait(self.interval_s)
 
