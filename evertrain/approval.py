@@ -22,7 +22,6 @@ import math
 import time
 from typing import Any
 
-import numpy as np
 import pandas as pd
 from prefect.input import RunInput
 from pydantic import Field
@@ -61,14 +60,15 @@ def _cell(text: Any) -> str:
 def _env_gains(scores: pd.DataFrame, seed: int, samples: int = 2000) -> list[dict[str, Any]]:
     """Per environment: pass@1 of champion and challenger on the gate's paired problems, and the gain with a
     95% paired bootstrap interval (resampling problems)."""
-    rng = np.random.default_rng(seed)
+    from evertrain.stats import mean_interval
+
     rows = []
     for env, group in scores.groupby("env"):
         diff = (group["challenger"] - group["champion"]).to_numpy(dtype=float)
-        boot = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
+        low, high = mean_interval(diff, samples=samples, seed=seed)
         rows.append({"env": env, "problems": len(diff), "champion": float(group["champion"].mean()),
                      "challenger": float(group["challenger"].mean()), "gain": float(diff.mean()),
-                     "low": float(np.quantile(boot, 0.025)), "high": float(np.quantile(boot, 0.975))})
+                     "low": low, "high": high})
     return rows
 
 
@@ -204,7 +204,8 @@ def request_approval(rt: Any, iteration: int, decision: dict[str, Any], scores: 
     if verdict == "approved":
         return {**decision, "reason": f"{gate}; approved by {reviewer}" + (f": {why}" if why else "")}
     said = f"rejected by {reviewer}" + (f": {why}" if why else "") if verdict == "rejected" else f"timeout, {why}"
-    return {**decision, "promoted": False, "reason": f"kept champion: {said} (the gate had passed it: {gate})"}
+    return {**decision, "promoted": False, "refused_by_person": True,
+            "reason": f"kept champion: {said} (the gate had passed it: {gate})"}
 
 
 def paused_promotions(campaign: str) -> list[dict[str, Any]]:

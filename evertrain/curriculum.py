@@ -149,6 +149,8 @@ class CalculatorLadder(Ladder):
         more = (min(low + 1, 30), min(high + 2, 30))
         self.specs: list[tuple[int, tuple[int, int]] | None] = [
             None, (2, more), (3, (low, high)), (3, more), (4, (min(low + 2, 30), min(high + 3, 30)))]
+        if getattr(env, "tool_version", 1) == 2:  # the second tool takes two operands: only the two-operand levels
+            self.specs = self.specs[:2]
 
     @property
     def levels(self) -> int:

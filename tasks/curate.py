@@ -161,15 +161,28 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         rows += [problem_row(rt, iteration, env, p) for p in kept]
         metrics[f"problems_{spec.name}"] = len(kept)
     if config.serving.curate_from_traces:  # the endpoint's verifiable traces, failures first (evertrain.serving)
+        from evertrain.curriculum import broad_guard
         from evertrain.serving.trace_source import trace_rows
 
-        rows += trace_rows(rt, taken, metrics, _held_out_index(config.model_dump_json()),
+        held_ids, held_index = _held_out_index(config.model_dump_json())
+        broad, broad_index = broad_guard(rt)  # no trace may enter the broad sealed set either
+        rows += trace_rows(rt, taken, metrics, (set(held_ids) | set(broad), _EitherIndex(held_index, broad_index)),
                            lambda p: problem_row(rt, iteration, rt.env(p.env), p))
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)
     metrics.update({f"dropped_{rule}": count for rule, count in dropped.items()})
     metrics.update(mix_metrics)
     return metrics
+
+
+class _EitherIndex:
+    """Two n-gram indexes read as one (the gate's and sealed problems', and the broad sealed set's)."""
+
+    def __init__(self, *indexes: Any) -> None:
+        self.indexes = indexes
+
+    def overlaps(self, text: str) -> bool:
+        return any(index.overlaps(text) for index in self.indexes)
 
 
 @task(name="curate", cache_policy=NO_CACHE)

@@ -93,16 +93,18 @@ def ahead(challenger_pass1: float, champion_pass1: float, per_env: dict[str, Any
 def _consecutive_failures(rt: Runtime, iteration: int) -> int:
     """Refused gates in a row before ``iteration`` that count toward a reset (see :func:`ahead`)."""
     earlier = rt.store.query(
-        """SELECT promoted, reset_trainee, challenger_pass1, champion_pass1, per_env FROM promotions
-           WHERE campaign = ? AND iteration < ? ORDER BY iteration DESC""",
+        """SELECT p.promoted, p.reset_trainee, p.challenger_pass1, p.champion_pass1, p.per_env,
+                  coalesce(a.decision IN ('rejected', 'timeout'), false) AS refused_by_person
+           FROM promotions p LEFT JOIN approvals a ON a.campaign = p.campaign AND a.iteration = p.iteration
+           WHERE p.campaign = ? AND p.iteration < ? ORDER BY p.iteration DESC""",
         [rt.campaign, iteration],
     )
     count = 0
     for row in earlier.itertuples(index=False):
         if row.promoted or row.reset_trainee:
             break
-        count += not ahead(row.challenger_pass1, row.champion_pass1, json.loads(row.per_env or "{}"),
-                           rt.config.promotion)
+        count += bool(row.refused_by_person) or not ahead(row.challenger_pass1, row.champion_pass1,
+                                                          json.loads(row.per_env or "{}"), rt.config.promotion)
     return count
 
 
@@ -189,7 +191,10 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     decision = request_approval(rt, iteration, decision, scores, challenger, champion)
 
     challenger_pass1, champion_pass1 = float(scores["challenger"].mean()), float(scores["champion"].mean())
-    counted = not decision["promoted"] and not ahead(challenger_pass1, champion_pass1, decision["per_env"], rule)
+    # a gate refused for want of evidence while the challenger was ahead does not count toward a reset; a
+    # person's refusal (or the approval's timeout) always does: they judged the challenger, not the evidence
+    counted = not decision["promoted"] and (decision.get("refused_by_person", False) or not ahead(
+        challenger_pass1, champion_pass1, decision["per_env"], rule))
     failures = 0 if decision["promoted"] else _consecutive_failures(rt, iteration) + counted
     reset = counted and bool(rule.reset_after_failures) and failures >= rule.reset_after_failures
     new_champion = challenger if decision["promoted"] else champion

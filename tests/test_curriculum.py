@@ -144,7 +144,7 @@ def test_level_survives_sigkill_and_stage_rerun(tmp_path, models_dir):
 
 
 def test_broad_sealed_set_never_enters_curation_or_the_gate(tmp_path, models_dir):
-    config = smoke_config_in(tmp_path, models_dir, curriculum={"window": 4, "broad_per_level": 6},
+    config = smoke_config_in(tmp_path, models_dir, curriculum={"window": 4, "broad_per_level": 6, "enabled": True},
                              environments=[{"name": "arithmetic", "weight": 1, "options": {"high": 20}},
                                            {"name": "gsm8k", "weight": 1}])
     rt = get_runtime(config)

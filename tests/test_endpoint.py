@@ -204,6 +204,20 @@ def test_bad_input_gets_an_openai_error_and_a_stored_trace(live):
         {"role": "user", "content": "x" * 1_100_000}]}, timeout=60)
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     seen["request_too_large"] = huge.headers[TRACE_HEADER]
+    # the same body sent chunked (no Content-Length): abandoned once past the limit, not read whole first
+
+    def chunks():
+        yield b'{"model": "live", "messages": [{"role": "user", "content": "'
+        for _ in range(1100):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    chunked = httpx.post(f"{url}/v1/chat/completions", content=chunks(), timeout=60,
+                         headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    assert "content-length" not in chunked.request.headers
+    huge_feedback = httpx.post(f"{url}/feedback", content=b"x" * 100_000, timeout=60)
+    assert huge_feedback.status_code == 413
 
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.with_raw_response.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])

@@ -152,7 +152,10 @@ class Calculator(ToolEnvironment, MathEnvironment):
 
     def reference_calls(self, problem: Problem) -> list[ToolCall]:
         p = problem.payload
-        if "expr" in p:  # a curriculum level's problem: more operands (evertrain.curriculum)
+        if "expr" in p and self.tool_version == 2:  # a two-operand curriculum problem, "a op b", for tool v2
+            a, op, b = p["expr"].split()
+            p = {"a": int(a), "op": op, "b": int(b)}
+        elif "expr" in p:  # a curriculum level's problem: more operands (evertrain.curriculum)
             return [ToolCall("python", p["expr"])]
         if self.tool_version == 2:  # the second version of the tool (the drift demo)
             operation = {v: k for k, v in _OPERATIONS.items()}[p["op"]]

@@ -616,6 +616,25 @@ def _client_call(call: Any, where: str) -> tuple[str, str]:
 
 # --- the ASGI application ------------------------------------------------------------------------------
 
+FEEDBACK_BYTES = 64 * 1024  # a feedback body is a trace id, a verdict and a short detail
+
+
+async def _bounded_body(request: Any, limit: int) -> tuple[bytes | None, int]:
+    """The request body, read chunk by chunk and abandoned once it passes ``limit`` bytes (a declared
+    Content-Length above it is refused unread; a chunked body cannot exhaust memory): (body, size), or
+    (None, the size seen) when it is too large."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None, int(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None, size
+        chunks.append(chunk)
+    return b"".join(chunks), size
+
+
 def create_app(endpoint: Endpoint) -> Any:
     """The FastAPI application over ``endpoint`` (started and stopped with the server's life span)."""
     from contextlib import asynccontextmanager
@@ -662,15 +681,11 @@ def create_app(endpoint: Endpoint) -> Any:
         headers = {TRACE_HEADER: draft.trace_id}
         try:
             limit = endpoint.serving.max_request_bytes
-            declared = request.headers.get("content-length", "")
-            # a body the client says is too large is refused unread; any other is read and measured
-            size = int(declared) if declared.isdigit() and int(declared) > limit else None
-            raw = b"" if size is not None else await request.body()
-            size = len(raw) if size is None else size
-            if size > limit:
+            raw, size = await _bounded_body(request, limit)
+            if raw is None:
                 draft.request = {"body_bytes": size}
-                raise ApiError(413, f"the request body is {size} bytes, above this endpoint's limit of {limit}",
-                               code="request_too_large")
+                raise ApiError(413, f"the request body is {size} bytes or more, above this endpoint's limit of "
+                               f"{limit}", code="request_too_large")
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -706,8 +721,12 @@ def create_app(endpoint: Endpoint) -> Any:
     @app.post("/feedback")
     async def feedback(request: Request) -> Any:
         try:
+            raw, size = await _bounded_body(request, FEEDBACK_BYTES)
+            if raw is None:
+                raise ApiError(413, f"the feedback body is {size} bytes or more, above {FEEDBACK_BYTES}",
+                               code="request_too_large")
             try:
-                body = json.loads(await request.body())
+                body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
             if not isinstance(body, dict) or not isinstance(body.get("trace_id"), str) or not body["trace_id"]:

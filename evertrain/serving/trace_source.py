@@ -121,7 +121,7 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
 def trace_rows(rt: Runtime, taken: set[str], metrics: dict[str, Any], held_out: tuple[set[str], Any],
                to_row: Callable[[Problem], dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``problems`` rows (made by curation's ``to_row``) of this iteration's trace problems, with their counts
-    in ``metrics``: trace_problems, trace_failures and trace_dropped_<reason>. Curation passes its own held-out
+    in ``metrics``: trace_problems, trace_failures and dropped_trace_<reason>. Curation passes its own held-out
     index and row maker in, so this module never imports the stage (no import cycle)."""
     dropped: dict[str, int] = {}
     chosen = trace_problems(rt, taken, held_out, dropped=dropped)
