@@ -546,12 +546,8 @@ def broad_problems(rt: Any) -> list[Problem]:
 
 def levels_over_iterations(store: Any, campaign: str) -> list[dict[str, Any]]:
     """Every iteration's curriculum rows (the report's section); empty for a store without the table."""
-    try:
-        frame = store.query("SELECT iteration, env, level, max_level, groups, pass_rate, action, reason "
-                            "FROM curriculum WHERE campaign = ? ORDER BY iteration, env", [campaign])
-    except Exception:  # a store made before the curriculum table existed
-        return []
-    return frame.to_dict("records")
+    return store.records("SELECT iteration, env, level, max_level, groups, pass_rate, action, reason "
+                         "FROM curriculum WHERE campaign = ? ORDER BY iteration, env", [campaign])
 
 
 def format_levels(rows: list[dict[str, Any]]) -> list[str]:

@@ -311,13 +311,9 @@ def render_rollouts(rows: list[dict[str, Any]], title: str, prompt_chars: int = 
 def mix_over_iterations(store: Store, campaign: str) -> list[dict[str, Any]]:
     """The adaptive mix of every iteration (the store's ``mix`` table): per environment its share, problems,
     recent pass rate, informative-group share and learnability. Empty when the mix is not adaptive."""
-    try:
-        frame = store.query(
-            """SELECT iteration, env, share, problems, pass_rate, informative_share, learnability, reason
-               FROM mix WHERE campaign = ? ORDER BY iteration, env""", [campaign])
-    except Exception:  # a store made before the mix table existed
-        return []
-    return frame.to_dict("records")
+    return store.records(
+        """SELECT iteration, env, share, problems, pass_rate, informative_share, learnability, reason
+           FROM mix WHERE campaign = ? ORDER BY iteration, env""", [campaign])
 
 
 def format_mix(rows: list[dict[str, Any]]) -> list[str]:

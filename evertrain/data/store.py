@@ -453,6 +453,14 @@ class Store:
         with self._lock:
             return self._retry_read(lambda: self.con.execute(sql, params or []).df())
 
+    def records(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        """The rows as dicts; empty when the query fails on a store that predates a table it reads (a report's
+        section over a store made by an older evertrain, opened read-only, so not upgraded)."""
+        try:
+            return self.query(sql, params).to_dict("records")
+        except duckdb.Error:
+            return []
+
     def scalar(self, sql: str, params: list[Any] | None = None) -> Any:
         with self._lock:
             row = self._retry_read(lambda: self.con.execute(sql, params or []).fetchone())
