@@ -19,44 +19,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from evertrain.envs import registry
-from evertrain.envs.terminal import Terminal
+from evertrain.envs.terminal import _HOOK, Terminal
 from evertrain.sandbox import Limits, run_python
+from tests.test_terminal import _task, terminal_env
 
 # -- the terminal checker ---------------------------------------------------------------------------
 
 # Plants a user-site hook that runs inside every Python the checker starts, reads the hidden check and
 # prints the output it expects, then exits: full reward on every task whose check runs Python, unsolved.
-READ_THE_CHECK = r"""d=$(python3 -m site --user-site); mkdir -p "$d"; cat > "$d/usercustomize.py" <<'EOF'
-import os, re, sys
-try:
-    src = open('/sandbox/check.py').read()
-except OSError:
-    src = ''
-m = re.search(r"out\.split\(\) == (\[[^\]]*\])", src) or re.search(r"out\.strip\(\) == ('[^']*')", src)
-if m:
-    value = eval(m.group(1))
-    print(' '.join(value) if isinstance(value, list) else value)
-    sys.stdout.flush()
-    os._exit(0)
-EOF"""
+READ_THE_CHECK = ('d=$(python3 -m site --user-site); mkdir -p "$d"; cat > "$d/usercustomize.py" <<\'EOF\'\n'
+                  + _HOOK + "EOF")
 
 PYTHON_CHECKED = ("fix-add", "fix-import", "fix-off-by-one", "fix-syntax")
 
 
 @pytest.fixture(scope="module")
 def terminal() -> Terminal:
-    env = registry.get("terminal")
-    assert isinstance(env, Terminal)
-    return env
-
-
-def _task(env: Terminal, name: str):
-    for split in ("train", "eval"):
-        for problem in env.problems(split, env.count(split) or 0, 0):
-            if problem.payload["task"] == name:
-                return problem
-    raise AssertionError(name)
+    return terminal_env()
 
 
 def test_terminal_checker_ignores_a_planted_usercustomize_that_reads_the_check(terminal):

@@ -9,14 +9,20 @@ from evertrain.envs.quality import validate
 from evertrain.envs.terminal import MAX_OUTPUT, Terminal, TerminalTool
 
 
-@pytest.fixture(scope="module")
-def env() -> Terminal:
+def terminal_env() -> Terminal:
+    """The registered terminal environment (shared with tests/test_adversarial_sandbox.py)."""
     terminal = registry.get("terminal")
     assert isinstance(terminal, Terminal)
     return terminal
 
 
+@pytest.fixture(scope="module")
+def env() -> Terminal:
+    return terminal_env()
+
+
 def _task(env: Terminal, name: str):
+    """The problem of the task named ``name`` (train or eval split)."""
     for split in ("train", "eval"):
         for problem in env.problems(split, env.count(split) or 0, 0):
             if problem.payload["task"] == name:
