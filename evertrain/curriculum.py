@@ -109,7 +109,38 @@ class Ladder(ABC):
             raise ValueError(f"{self.env.name}: curriculum level {level} is outside 0..{self.levels - 1}")
 
 
-class ArithmeticLadder(Ladder):
+class SpecLadder(Ladder):
+    """A ladder of generator settings: level 0 (spec None) is the environment as configured, every higher level
+    a spec its subclass generates problems from."""
+
+    specs: list[Any]
+
+    @property
+    def levels(self) -> int:
+        return len(self.specs)
+
+    def describe(self, level: int) -> str:
+        spec = self.specs[level]
+        return self.describe_configured() if spec is None else self.describe_spec(spec)
+
+    def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
+        self.check(level)
+        spec = self.specs[level]
+        if spec is None:
+            return self.env.problems("train", n, seed)
+        return self.generate(level, spec, n, seed)
+
+    @abstractmethod
+    def describe_configured(self) -> str: ...
+
+    @abstractmethod
+    def describe_spec(self, spec: Any) -> str: ...
+
+    @abstractmethod
+    def generate(self, level: int, spec: Any, n: int, seed: int) -> list[Problem]: ...
+
+
+class ArithmeticLadder(SpecLadder):
     def __init__(self, env: Any) -> None:
         super().__init__(env)
         extra = [op for op in ("-",) if op not in env.ops and op not in env.transfer_ops]
@@ -120,21 +151,13 @@ class ArithmeticLadder(Ladder):
             (env.low, 10 * top, tuple(wider)), (max(env.low, top), 100 * top, tuple(wider))]
         self.specs = [s for i, s in enumerate(specs) if i == 0 or s != specs[i - 1]]
 
-    @property
-    def levels(self) -> int:
-        return len(self.specs)
+    def describe_configured(self) -> str:
+        return f"configured: {self.env.low}..{self.env.high}, ops {''.join(self.env.ops)}"
 
-    def describe(self, level: int) -> str:
-        spec = self.specs[level]
-        if spec is None:
-            return f"configured: {self.env.low}..{self.env.high}, ops {''.join(self.env.ops)}"
+    def describe_spec(self, spec: Any) -> str:
         return f"{spec[0]}..{spec[1]}, ops {''.join(spec[2])}"
 
-    def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
-        self.check(level)
-        spec = self.specs[level]
-        if spec is None:
-            return self.env.problems("train", n, seed)
+    def generate(self, level: int, spec: Any, n: int, seed: int) -> list[Problem]:
         low, high, ops = spec
         rng = random.Random(f"arithmetic-level:{level}:{seed}")
         triples = dict.fromkeys((rng.randint(low, high), rng.choice(ops), rng.randint(low, high)) for _ in range(n))
@@ -142,7 +165,7 @@ class ArithmeticLadder(Ladder):
         return [self.env._problem(t, "train") for t in triples]
 
 
-class CalculatorLadder(Ladder):
+class CalculatorLadder(SpecLadder):
     def __init__(self, env: Any) -> None:
         super().__init__(env)
         low, high = env.digits
@@ -152,21 +175,13 @@ class CalculatorLadder(Ladder):
         if getattr(env, "tool_version", 1) == 2:  # the second tool takes two operands: only the two-operand levels
             self.specs = self.specs[:2]
 
-    @property
-    def levels(self) -> int:
-        return len(self.specs)
+    def describe_configured(self) -> str:
+        return f"configured: 2 operands of {self.env.digits[0]}-{self.env.digits[1]} digits"
 
-    def describe(self, level: int) -> str:
-        spec = self.specs[level]
-        if spec is None:
-            return f"configured: 2 operands of {self.env.digits[0]}-{self.env.digits[1]} digits"
+    def describe_spec(self, spec: Any) -> str:
         return f"{spec[0]} operands of {spec[1][0]}-{spec[1][1]} digits"
 
-    def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
-        self.check(level)
-        spec = self.specs[level]
-        if spec is None:
-            return self.env.problems("train", n, seed)
+    def generate(self, level: int, spec: Any, n: int, seed: int) -> list[Problem]:
         operands, (low, high) = spec
         rng = random.Random(f"calculator-level:{level}:{seed}")
         out: dict[str, Problem] = {}
