@@ -63,6 +63,36 @@ def write_base_checkpoint(dest: Path, base_model: str) -> Path:
     return dest
 
 
+# file digests by (path, size, mtime, ctime, inode): opening a version (the endpoint's swap, a worker's load)
+# then hashes only what changed, not every byte of every weight file each time
+_DIGESTS: dict[str, tuple[tuple[int, int, int, int], bytes]] = {}
+_DIGESTS_LOCK = threading.Lock()
+_DIGESTS_MAX = 4096
+# a file changed within this many seconds may change again without its times moving (coarse clocks), so it
+# is hashed but not remembered (git's "racily clean" rule)
+_RACY_SECONDS = 2.0
+
+
+def _file_digest(path: Path, started: float) -> bytes:
+    import hashlib
+
+    info = path.stat()
+    key = (info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
+    name = str(path.resolve())
+    with _DIGESTS_LOCK:
+        known = _DIGESTS.get(name)
+    if known is not None and known[0] == key:
+        return known[1]
+    with path.open("rb") as file:
+        value = hashlib.file_digest(file, "sha256").digest()
+    if max(info.st_mtime_ns, info.st_ctime_ns) / 1e9 < started - _RACY_SECONDS:
+        with _DIGESTS_LOCK:
+            if len(_DIGESTS) >= _DIGESTS_MAX:
+                _DIGESTS.pop(next(iter(_DIGESTS)))
+            _DIGESTS[name] = (key, value)
+    return value
+
+
 def checkpoint_digest(checkpoint: str | Path) -> str:
     """A checkpoint's identity: sha256 over every file's path (within the folder) and bytes.
 
@@ -70,18 +100,20 @@ def checkpoint_digest(checkpoint: str | Path) -> str:
     new weights) is a new identity, and a copy of the same weights elsewhere is the same one. The base
     model a ``base`` or ``lora`` checkpoint names is referenced by its path and taken as immutable.
     The vLLM engine computes the same digest in its own interpreter (``vllm_engine.folder_digest``).
+    Each file's own digest is remembered by its size, times and inode, so a folder read again costs a
+    ``stat`` per file, not a read of every byte.
     """
     import hashlib
 
     root = Path(checkpoint)
     if not root.is_dir():
         raise ModelError(f"checkpoint folder {root} does not exist")
+    started = time.time()
     digest = hashlib.sha256()
     files = {p.relative_to(root).as_posix(): p for p in root.rglob("*") if p.is_file()}
     for name in sorted(files):  # by name as written (not by path parts): the engine's copy sorts the same way
         digest.update(name.encode() + b"\0")
-        with files[name].open("rb") as file:
-            digest.update(hashlib.file_digest(file, "sha256").digest())
+        digest.update(_file_digest(files[name], started))
     return digest.hexdigest()
 
 

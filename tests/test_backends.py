@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -257,3 +258,27 @@ def test_the_head_size_refusal_is_for_cpu_engines_only(tmp_path):
     on_cpus = on_gpus.model_copy(update={"cluster": on_gpus.cluster.model_copy(update={"gpus_per_worker": 0})})
     with pytest.raises(BackendError, match="head size 16"):
         check_backend(on_cpus, str(model))
+
+
+def test_checkpoint_digest_reads_a_file_again_only_when_it_changed(tmp_path):
+    """The endpoint and the workers take a checkpoint's digest on every open: a second digest of unchanged
+    weights costs a stat per file, not a read of every byte; a rewrite (same size) is still seen."""
+    from evertrain.models.policy import checkpoint_digest
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    with weights.open("wb") as file:  # sparse: 512 MiB to hash, no disk used
+        file.truncate(512 << 20)
+    time.sleep(2.2)  # older than the racy window: a file this old may be remembered
+    began = time.perf_counter()
+    first = checkpoint_digest(folder)
+    cold = time.perf_counter() - began
+    began = time.perf_counter()
+    assert checkpoint_digest(folder) == first
+    warm = time.perf_counter() - began
+    assert warm < cold / 20, (cold, warm)
+    with weights.open("r+b") as file:
+        file.seek(100)
+        file.write(b"\1")
+    assert checkpoint_digest(folder) != first
