@@ -429,6 +429,9 @@ class RedactionConfig(_Strict):
         default_factory=list, description="More regular expressions (Python syntax) to redact, e.g. "
         "'\\b\\d{3}-\\d{2}-\\d{4}\\b' for US social security numbers; each whole match is replaced.")
     replacement: str = Field("[REDACTED]", description="What each redacted match is replaced with.")
+    timeout_seconds: float = Field(
+        1.0, gt=0, description="Longest one pattern may take on one string of a trace; a string a pattern cannot "
+        "finish within it (catastrophic backtracking) is replaced whole, so nothing unchecked is stored.")
 
     @field_validator("patterns")
     @classmethod

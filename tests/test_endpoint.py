@@ -439,3 +439,85 @@ def test_endpoint_deployment_is_registered(live, prefect_server):
     assert deployment.name == "endpoint-live" and "endpoint" in deployment.tags
     assert deployment.parameters["config"]["name"] == "live" and deployment.parameters["port"] == 8123
     assert deployment.entrypoint == "evertrain.serving.flow.endpoint_flow"
+
+
+def test_a_slow_redaction_does_not_stall_other_requests(live):
+    """Redaction (and the request's store look-ups) run off the event loop: while one request's trace takes
+    seconds to redact (a costly user pattern), /health still answers at once, and the trace is still stored."""
+    from evertrain.config import RedactionConfig
+    from evertrain.serving.redact import Redactor
+
+    _config, _rt, server, _client = live
+    original = server.endpoint.redactor
+    rule = RedactionConfig(patterns=[r"(x|xx)+y"], timeout_seconds=60)  # backtracks: seconds on 29 x's
+    server.endpoint.redactor = Redactor(rule)
+    try:
+        began = time.perf_counter()
+        server.endpoint.redactor.text("x" * 29)
+        slow = time.perf_counter() - began
+        answered = {}
+
+        def send() -> None:
+            answered["response"] = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+                "model": "no-such-model", "messages": [{"role": "user", "content": "x" * 29}]})
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        waits = []
+        while sender.is_alive():
+            began = time.perf_counter()
+            assert httpx.get(f"{server.url}/health", timeout=120).status_code == 200
+            waits.append(time.perf_counter() - began)
+            time.sleep(0.02)
+        sender.join()
+    finally:
+        server.endpoint.redactor = original
+    response = answered["response"]
+    assert response.status_code == 404
+    assert len(waits) >= 3 and max(waits) < slow / 2, (slow, waits)
+    row = _stored(server, "SELECT error FROM traces WHERE trace_id = ?", [response.headers[TRACE_HEADER]])
+    assert row["error"].iloc[0].startswith("model_not_found")
+
+
+def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live, caplog):
+    """The alias moves to a version whose checkpoint does not load: the endpoint keeps serving v1, warns once
+    (not at every poll), and loads the version at once when its checkpoint's content changes."""
+    import logging
+
+    from evertrain.data.store import now
+
+    config, rt, server, client = live
+    folder = Path(config.paths.checkpoints) / "broken"
+    folder.mkdir(parents=True)
+    manifest = folder / "evertrain_checkpoint.json"
+    manifest.write_text(json.dumps({"kind": "base", "base_model": str(folder / "no-such-model")}))
+    version = rt.tracker.register(folder, run_id=None, iteration=0)
+    rt.store.replace("model_versions", {"campaign": "live", "version": version}, [{
+        "campaign": "live", "version": version, "iteration": 0, "kind": "full", "path": rt.stored_path(folder),
+        "parent_version": 1, "created_at": now()}])
+    try:
+        with caplog.at_level(logging.DEBUG, logger="evertrain.serving"):
+            rt.tracker.set_alias("champion", version)
+            time.sleep(12 * config.serving.poll_seconds)
+            answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+        assert answer.model == "live@v1"
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING and f"v{version}" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+        failure = server.endpoint.champion.failed[version]
+        assert failure["attempts"] < 6 and failure["delay"] > config.serving.poll_seconds  # backed off
+        assert httpx.get(f"{server.url}/health", timeout=30).json()["watcher_error"].startswith(f"loading v{version}")
+
+        # the checkpoint repaired in place: its new content is tried at once, not after the back-off
+        manifest.write_text(json.dumps({"kind": "base", "base_model": str(Path(rt.base_model).resolve())}))
+        deadline = time.monotonic() + 30
+        while server.endpoint.champion.current.version != version:
+            assert time.monotonic() < deadline, server.endpoint.champion.failed
+            time.sleep(0.1)
+        assert version not in server.endpoint.champion.failed
+    finally:
+        rt.tracker.set_alias("champion", 1)
+    deadline = time.monotonic() + 30
+    while server.endpoint.champion.current.version != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

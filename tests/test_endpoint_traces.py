@@ -55,3 +55,12 @@ def test_writer_commits_in_batches_and_compaction_merges_files(tmp_path):
     lines = format_live(live_pass_rate(store, "c"))
     assert lines[1].startswith("  calculator [python] v1: 0.750 [") and lines[1].endswith("over 500 requests")
     store.close()
+
+
+def test_a_pattern_that_runs_out_of_time_replaces_the_whole_string():
+    """A user pattern that backtracks catastrophically cannot hold a request: past its time limit the string
+    is replaced whole (nothing unchecked is stored)."""
+    rule = Redactor(RedactionConfig(patterns=[r"(x|xx)+y"], timeout_seconds=0.2))
+    assert rule.text("a short x string") == "a short x string"
+    assert rule.text("token " + "x" * 40) == "[REDACTED]"
+    assert rule.timeouts == 1

@@ -58,6 +58,7 @@ MODEL_HEADER = "x-evertrain-model-version"
 TRACE_HEADER = "x-evertrain-trace-id"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 8
+RETRY_MAX_SECONDS = 300.0  # the longest a champion whose load failed waits before it is tried again
 
 
 class ApiError(Exception):
@@ -100,6 +101,8 @@ class Champion:
         self.current: Served | None = None
         self.swaps: list[dict[str, Any]] = []
         self.last_error: str | None = None
+        # versions whose load failed: {version: {digest, delay, next_try, attempts, error}}
+        self.failed: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -145,19 +148,70 @@ class Champion:
         while not self._stop.wait(self.config.serving.poll_seconds):
             try:
                 version = self._champion_version()
-                current = self.current
-                if current is not None and version == current.version:
-                    continue
-                began = time.perf_counter()
-                served = self._load(version)
-                self.current = served  # one reference assignment: atomic, requests already running keep theirs
-                self.swaps.append({"from": None if current is None else current.version, "to": version,
-                                   "load_s": time.perf_counter() - began, "at": time.time()})
-                self.last_error = None
-                log.info("endpoint: now serving %s", served.name)
-            except Exception as error:  # a registry hiccup or a bad checkpoint: keep serving what is loaded
+            except Exception as error:  # a registry hiccup: keep serving what is loaded, ask again next poll
                 self.last_error = f"{type(error).__name__}: {error}"
                 log.warning("endpoint: champion watcher: %s", self.last_error)
+                continue
+            current = self.current
+            if current is not None and version == current.version:
+                continue
+            digest = self._digest(version)
+            if not self._due(version, digest):
+                continue
+            began = time.perf_counter()
+            try:
+                served = self._load(version)
+            except Exception as error:  # a bad checkpoint: keep serving the current champion
+                self._failed_load(version, digest, error)
+                continue
+            self.current = served  # one reference assignment: atomic, requests already running keep theirs
+            self.swaps.append({"from": None if current is None else current.version, "to": version,
+                               "load_s": time.perf_counter() - began, "at": time.time()})
+            self.failed.pop(version, None)
+            self.last_error = None
+            log.info("endpoint: now serving %s", served.name)
+
+    def _digest(self, version: int) -> str | None:
+        """The content digest of ``version``'s local checkpoint folder (None when it is not local or unknown):
+        a failed version is tried again at once when its content changes."""
+        from evertrain.models.policy import checkpoint_digest
+        from evertrain.portable import resolve_under
+
+        try:
+            row = self.rt.store.model_version(self.config.name, version)
+            stored = row["path"] if isinstance(row["path"], str) else ""
+            path = resolve_under(stored, self.rt.checkpoints_root()) if stored else None
+            return checkpoint_digest(path) if path is not None and path.is_dir() else None
+        except Exception:  # no row yet, or the folder being written: the retry schedule decides
+            return None
+
+    def _due(self, version: int, digest: str | None) -> bool:
+        """Whether to (try to) load ``version`` now: always the first time and after its content changed,
+        else once its back-off has passed (doubling from one poll to ``RETRY_MAX_SECONDS``)."""
+        failure = self.failed.get(version)
+        if failure is None:
+            return True
+        if digest is not None and failure["digest"] is not None and digest != failure["digest"]:
+            return True
+        return time.monotonic() >= failure["next_try"]
+
+    def _failed_load(self, version: int, digest: str | None, error: Exception) -> None:
+        previous = self.failed.get(version)
+        same = previous is not None and previous["digest"] == digest
+        delay = min(previous["delay"] * 2, RETRY_MAX_SECONDS) if same else self.config.serving.poll_seconds * 2
+        self.failed[version] = {"digest": digest, "delay": delay, "next_try": time.monotonic() + delay,
+                                "attempts": (previous["attempts"] if same else 0) + 1,
+                                "error": f"{type(error).__name__}: {error}"}
+        self.last_error = f"loading v{version} failed: {type(error).__name__}: {error}"
+        served = self.current
+        if same:  # said once per version and content; the retries are quiet
+            log.debug("endpoint: v%d still fails to load (attempt %d, next in %.0f s): %s", version,
+                      self.failed[version]["attempts"], delay, error)
+        else:
+            log.warning("endpoint: the champion v%d (content %s) failed to load; still serving %s, trying again "
+                        "with back-off (at once if its checkpoint changes): %s: %s", version,
+                        (digest or "unknown")[:12], served.name if served else "nothing", type(error).__name__,
+                        error)
 
 
 @dataclass
@@ -641,6 +695,7 @@ def create_app(endpoint: Endpoint) -> Any:
 
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
     @asynccontextmanager
@@ -696,7 +751,9 @@ def create_app(endpoint: Endpoint) -> Any:
                 raise ApiError(503, "the endpoint is still loading its model", code="model_loading",
                                kind="service_unavailable")
             headers[MODEL_HEADER] = draft.served.name
-            parsed = endpoint.parse(body, draft)
+            # off the event loop: a stored problem's look-up and an environment's construction can block, and
+            # every other request (and /health) waits while the loop does
+            parsed = await run_in_threadpool(endpoint.parse, body, draft)
             served = draft.served
             response = await asyncio.get_running_loop().run_in_executor(
                 endpoint.generator, endpoint.generate, parsed, served, draft)
@@ -716,7 +773,10 @@ def create_app(endpoint: Endpoint) -> Any:
             return JSONResponse(ApiError(500, f"the endpoint failed: {type(error).__name__}: {error}",
                                          code="internal_error", kind="server_error").body(), 500, headers=headers)
         finally:
-            endpoint.record(draft)
+            # redaction runs every rule over the whole request and response: on a large body (or a costly
+            # user pattern) that is CPU time no other request should wait for. anyio does not abandon the
+            # thread when the request is cancelled (a client hanging up), so the trace is still queued
+            await run_in_threadpool(endpoint.record, draft)
 
     @app.post("/feedback")
     async def feedback(request: Request) -> Any:
@@ -740,9 +800,12 @@ def create_app(endpoint: Endpoint) -> Any:
         except ApiError as error:
             return JSONResponse(error.body(), error.status)
         if endpoint.writer is not None:
-            endpoint.writer.add_feedback(feedback_row(
-                body["trace_id"], endpoint.config.name, "client", body["passed"], reward,
-                endpoint.redactor.value(body.get("detail"))))
+            def queue() -> None:  # redacted off the event loop, as the traces are
+                endpoint.writer.add_feedback(feedback_row(
+                    body["trace_id"], endpoint.config.name, "client", body["passed"], reward,
+                    endpoint.redactor.value(body.get("detail"))))
+
+            await run_in_threadpool(queue)
         return {"ok": True, "trace_id": body["trace_id"]}
 
     return app

@@ -3,14 +3,24 @@
 The rule runs on every string of a trace (request, response, tool calls, the task's payload, errors) in
 the request handler, before the row reaches the writer's queue, so nothing unredacted is ever held for
 writing, written, or logged by the writer.
+
+The patterns run on the ``regex`` engine (the ``re`` syntax) rather than ``re``: it releases the GIL while
+it matches (``concurrent=True``), so redacting a large trace in a worker thread does not stall the
+endpoint's other requests, and it takes a time limit, so a user pattern that backtracks catastrophically
+cannot hold a request for ever: a string a pattern cannot finish within ``timeout_seconds`` is replaced
+whole (fail closed).
 """
 
 from __future__ import annotations
 
-import re
+import logging
 from typing import Any
 
+import regex
+
 from evertrain.config import RedactionConfig
+
+log = logging.getLogger("evertrain.serving")
 
 # each pattern's whole match is replaced, except the key-value one, which keeps its key ("password=[REDACTED]")
 SECRET_PATTERNS = (
@@ -32,19 +42,33 @@ class Redactor:
 
     def __init__(self, config: RedactionConfig) -> None:
         self.replacement = config.replacement
+        self.timeout = config.timeout_seconds
+        self.timeouts = 0
         whole = list(SECRET_PATTERNS) if config.secrets else []
         if config.emails:
             whole.append(EMAIL)
         whole += config.patterns
-        self._whole = [re.compile(p, re.DOTALL) for p in whole]
-        self._key_value = re.compile(KEY_VALUE) if config.secrets else None
+        self._whole = []
+        for pattern in whole:
+            try:
+                self._whole.append(regex.compile(pattern, regex.DOTALL | regex.VERSION0))
+            except regex.error as error:
+                raise ValueError(f"redaction pattern {pattern!r} is not a valid regular expression: {error}") from None
+        self._key_value = regex.compile(KEY_VALUE, regex.VERSION0) if config.secrets else None
 
     def text(self, value: str) -> str:
-        """``value`` with every match of the rule replaced."""
-        if self._key_value is not None:
-            value = self._key_value.sub(lambda m: m.group(1) + self.replacement, value)
-        for pattern in self._whole:
-            value = pattern.sub(self.replacement, value)
+        """``value`` with every match of the rule replaced (the whole of it when a pattern runs out of time)."""
+        try:
+            if self._key_value is not None:
+                value = self._key_value.sub(lambda m: m.group(1) + self.replacement, value, concurrent=True,
+                                            timeout=self.timeout)
+            for pattern in self._whole:
+                value = pattern.sub(self.replacement, value, concurrent=True, timeout=self.timeout)
+        except TimeoutError:
+            self.timeouts += 1
+            log.warning("redaction: a pattern ran past %.1f s on a %d-character string; the string is replaced "
+                        "whole", self.timeout, len(value))
+            return self.replacement
         return value
 
     def value(self, value: Any) -> Any:
