@@ -303,6 +303,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.report import format_live, live_pass_rate
 
     live = live_pass_rate(store, args.campaign)
+    from evertrain.report import live_pass_rate_over_time
+
+    live_series = live_pass_rate_over_time(store, args.campaign) if args.html else []
     from evertrain.curriculum import format_levels, levels_over_iterations
     from evertrain.report import diversity, format_diversity, format_gate_power, gate_power
 
@@ -324,7 +327,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                 ("distinct_share", "distinct share"), ("token_entropy", "token entropy (nats)"),
                 ("informative_share", "informative groups")], []),
             ("Gate power", [], [], format_gate_power(power))]
-        Path(args.html).write_text(html_report(args.campaign, rows, summary, sections), encoding="utf-8")
+        page = html_report(args.campaign, rows, summary, sections, live=live_series)
+        Path(args.html).write_text(page, encoding="utf-8")
         print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))

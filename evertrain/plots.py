@@ -47,6 +47,39 @@ def progress_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
     return fig
 
 
+def live_pass_rate_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
+    """The endpoint's live pass rate over time: one panel per environment and tool, one line per model version
+    (its 95% interval shaded), from :func:`evertrain.report.live_pass_rate_over_time`'s rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["env"], r.get("tools") or "no tool") for r in rows})
+    columns = min(3, max(len(panels), 1))
+    lines = -(-max(len(panels), 1) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5.5 * columns, 3.6 * lines), squeeze=False)
+    for axis, (env, tools) in zip(axes.flat, panels, strict=False):
+        mine = [r for r in rows if (r["env"], r.get("tools") or "no tool") == (env, tools)]
+        for version in sorted({int(r["model_version"]) for r in mine if r["model_version"] is not None}):
+            points = sorted((r for r in mine if r["model_version"] == version), key=lambda r: r["bucket"])
+            at = [r["bucket"] for r in points]
+            axis.plot(at, [r["pass_rate"] for r in points], "o-", label=f"v{version}")
+            axis.fill_between(at, [r["low"] for r in points], [r["high"] for r in points], alpha=0.15)
+        axis.set_ylim(0, 1)
+        axis.set_title(f"{env} [{tools}]", fontsize=10)
+        axis.set_ylabel("pass rate")
+        axis.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+        axis.tick_params(axis="x", labelrotation=30, labelsize=8)
+        axis.legend(fontsize=8, title="version", title_fontsize=8)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
+    fig.suptitle(title or "live pass rate (endpoint traces with an outcome; shaded: 95% interval)")
+    fig.tight_layout()
+    return fig
+
+
 def _png(fig: Any) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
@@ -71,10 +104,29 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
 Section = tuple[str, list[dict[str, Any]], list[tuple[str, str]], list[str]]  # title, rows, columns, text lines
 
 
+def live_html(live: list[dict[str, Any]] | None) -> str:
+    """The page's live-pass-rate part: the plot over time and its table ('' when no trace has an outcome)."""
+    if not live:
+        return ""
+    import matplotlib.pyplot as plt
+
+    fig = live_pass_rate_figure(live)
+    image = _png(fig)
+    plt.close(fig)
+    table = _table(sorted(live, key=lambda r: (r["env"], r.get("tools") or "", r["model_version"] or 0,
+                                               r["bucket"])),
+                   [("env", "environment"), ("tools", "tools"), ("model_version", "version"), ("bucket", "from"),
+                    ("requests", "requests"), ("passed", "passed"), ("pass_rate", "pass rate"),
+                    ("low", "95% CI low"), ("high", "95% CI high")])
+    return (f"<h2>Live pass rate (served model)</h2><img alt='live pass rate' "
+            f"src='data:image/png;base64,{image}'>{table}")
+
+
 def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dict[str, Any]] | None = None,
-                sections: list[Section] | None = None) -> str:
+                sections: list[Section] | None = None, live: list[dict[str, Any]] | None = None) -> str:
     """One self-contained page (figures inlined as PNG) with the campaign's plots and tables; ``sections``
-    are more tables (curriculum levels, sample diversity, gate power), each with lines of text under it."""
+    are more tables (curriculum levels, sample diversity, gate power), each with lines of text under it;
+    ``live`` the endpoint's pass rate over time (:func:`evertrain.report.live_pass_rate_over_time`)."""
     import matplotlib.pyplot as plt
 
     fig = progress_figure(rows, f"campaign {campaign}")
@@ -116,4 +168,4 @@ def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dic
             + "".join(f"<h2>{html.escape(title)}</h2>" + (_table(part, columns) if part else "")
                       + "".join(f"<p>{html.escape(line)}</p>" for line in lines)
                       for title, part, columns, lines in sections or [])
-            + "</body></html>")
+            + live_html(live) + "</body></html>")

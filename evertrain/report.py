@@ -376,6 +376,21 @@ def live_pass_rate(store: Store, campaign: str) -> list[dict[str, Any]]:
         return []
 
 
+def live_pass_rate_over_time(store: Store, campaign: str, points: int = 24) -> list[dict[str, Any]]:
+    """The endpoint's live pass rate per environment, tool and model version over time (about ``points``
+    time buckets over the traces' span): the HTML page's live plot."""
+    import duckdb
+
+    from evertrain.serving.traces import live_pass_rate_series
+
+    try:
+        frame = live_pass_rate_series(store, campaign, points)
+    except duckdb.Error:  # a store written before the traces tables existed, opened read-only
+        return []
+    return [{**r, "bucket": r["bucket"].to_pydatetime() if hasattr(r["bucket"], "to_pydatetime") else r["bucket"]}
+            for r in frame.to_dict("records")]
+
+
 def format_live(rows: list[dict[str, Any]]) -> list[str]:
     """One line per environment, tool and version: traces with an outcome, pass rate and its 95% interval."""
     if not rows:

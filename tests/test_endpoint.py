@@ -521,3 +521,18 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
     while server.endpoint.champion.current.version != 1:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_live_pass_rate_per_version_and_its_plot_reach_mlflow(live):
+    _config, rt, server, client = live
+    answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                            extra_body={"evertrain": {"env": "calculator"}})
+    assert httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": True}, timeout=30).status_code \
+        == 200
+    assert server.endpoint.writer.flush(60)
+    logged = server.endpoint.log_live_metrics()
+    run = rt.tracker.client.get_run(server.endpoint._metrics_run)
+    assert run.data.metrics["live_pass_rate/v1/calculator/python"] == logged["live_pass_rate/v1/calculator/python"]
+    assert logged["live_requests/v1/calculator/python"] >= 1
+    artifacts = [a.path for a in rt.tracker.client.list_artifacts(server.endpoint._metrics_run)]
+    assert "live_pass_rate.png" in artifacts

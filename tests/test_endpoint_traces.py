@@ -64,3 +64,44 @@ def test_a_pattern_that_runs_out_of_time_replaces_the_whole_string():
     assert rule.text("a short x string") == "a short x string"
     assert rule.text("token " + "x" * 40) == "[REDACTED]"
     assert rule.timeouts == 1
+
+
+def test_the_html_page_plots_the_live_pass_rate_per_env_tool_and_version_over_time(tmp_path):
+    """Traces with outcomes over an hour for two versions and two tools: the page's live plot and its table
+    show each (environment, tool, version) at the right pass rate, in time buckets."""
+    import base64
+    import re
+    from datetime import timedelta
+
+    from evertrain.plots import html_report
+    from evertrain.report import live_pass_rate_over_time
+
+    store = Store(store_uri(tmp_path))
+    writer = TraceWriter(store, batch_rows=512, flush_seconds=0.2, compact_seconds=3600)
+    start = now() - timedelta(hours=1)
+    for i in range(240):  # v1 for the first half hour (python: 1 in 4 passes), then v2 (3 in 4)
+        version = 1 if i < 120 else 2
+        tools = "python" if i % 2 else None
+        at = start + timedelta(seconds=15 * i)
+        writer.add_trace({"trace_id": f"t{i}", "campaign": "c", "model_version": version, "env": "calculator",
+                          "tools": tools, "status": "ok", "latency_ms": 1.0, "created_at": at})
+        passed = (i // 2) % 4 != 0 if version == 2 else (i // 2) % 4 == 0
+        writer.add_feedback({**feedback_row(f"t{i}", "c", "client", passed, None, {}), "created_at": at})
+    assert writer.flush(120)
+    writer.close()
+    series = live_pass_rate_over_time(store, "c")
+    store.close()
+    assert {(r["tools"], r["model_version"]) for r in series} == {("", 1), ("", 2), ("python", 1), ("python", 2)}
+    assert 20 <= len({r["bucket"] for r in series}) <= 25  # about 24 buckets over the hour
+    assert sum(r["requests"] for r in series) == 240
+    v1 = [r for r in series if r["model_version"] == 1]
+    assert sum(r["passed"] for r in v1) / sum(r["requests"] for r in v1) == pytest.approx(0.25)
+    assert max(r["bucket"] for r in v1) <= min(r["bucket"] for r in series if r["model_version"] == 2)
+
+    page = html_report("c", [], live=series)
+    found = re.search(r"<h2>Live pass rate[^<]*</h2><img alt='live pass rate' src='data:image/png;base64,([^']+)'>",
+                      page)
+    assert found, page[:2000]
+    assert base64.b64decode(found.group(1)).startswith(b"\x89PNG")
+    assert page.count("<td>calculator</td>") == len(series)
+    assert html_report("c", [], live=[]).count("live pass rate") == 0  # no outcomes: no empty plot

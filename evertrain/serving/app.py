@@ -292,20 +292,26 @@ class Endpoint:
             threading.Thread(target=self._log_metrics_loop, name="evertrain-live-metrics", daemon=True).start()
 
     def log_live_metrics(self) -> dict[str, float]:
-        """Log the served version's live pass rate per environment and tool to MLflow (run 'endpoint');
-        returns what was logged."""
+        """Log the live pass rate per environment and tool to MLflow (run 'endpoint'): the served version's
+        as ``live_pass_rate/<env>/<tool>``, every version's as ``live_pass_rate/v<N>/<env>/<tool>``, and the
+        plot over time as the artifact ``live_pass_rate.png``; returns the metrics logged."""
         from evertrain.serving.traces import live_pass_rates
 
         served = self.champion.current
         if served is None:
             return {}
-        rates = live_pass_rates(self.store, self.config.name)
-        rates = rates[rates["model_version"] == served.version]
+        every = live_pass_rates(self.store, self.config.name)
+        rates = every[every["model_version"] == served.version]
         metrics = {"served_version": float(served.version)}
         for row in rates.itertuples(index=False):
             key = f"{row.env}/{row.tools or 'no_tool'}"
             metrics[f"live_pass_rate/{key}"] = float(row.pass_rate)
             metrics[f"live_requests/{key}"] = float(row.requests)
+        for row in every.itertuples(index=False):
+            if row.model_version is not None and row.model_version == row.model_version:  # not NaN
+                key = f"v{int(row.model_version)}/{row.env}/{row.tools or 'no_tool'}"
+                metrics[f"live_pass_rate/{key}"] = float(row.pass_rate)
+                metrics[f"live_requests/{key}"] = float(row.requests)
         tracker = self.champion.tracker
         if self._metrics_run is None:
             self._metrics_run = tracker.client.create_run(
@@ -313,7 +319,24 @@ class Endpoint:
                 tags={"evertrain.campaign": self.config.name, "evertrain.endpoint": "true"}).info.run_id
         self._metrics_step += 1
         tracker.log_metrics(self._metrics_run, metrics, step=self._metrics_step)
+        if not every.empty:
+            self._log_live_plot(tracker)
         return metrics
+
+    def _log_live_plot(self, tracker: Any) -> None:
+        import matplotlib.pyplot as plt
+
+        from evertrain.plots import live_pass_rate_figure
+        from evertrain.report import live_pass_rate_over_time
+
+        series = live_pass_rate_over_time(self.store, self.config.name)
+        if not series:
+            return
+        fig = live_pass_rate_figure(series, f"campaign {self.config.name}: live pass rate")
+        try:
+            tracker.client.log_figure(self._metrics_run, fig, "live_pass_rate.png")
+        finally:
+            plt.close(fig)
 
     def _log_metrics_loop(self) -> None:
         while not self._stop_metrics.wait(self.serving.metrics_seconds):

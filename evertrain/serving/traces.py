@@ -165,7 +165,7 @@ def live_pass_rates(store: Store, campaign: str, bucket_minutes: float | None = 
     model_version, [bucket,] requests, passed, pass_rate, low, high (a 95% Wilson interval)."""
     bucket = ""
     if bucket_minutes:
-        seconds = int(bucket_minutes * 60)
+        seconds = max(1, round(bucket_minutes * 60))
         bucket = f"to_timestamp(floor(epoch(created_at) / {seconds}) * {seconds}) AS bucket, "
     frame = store.query(
         f"""SELECT coalesce(env, '(none)') AS env, tools, model_version, {bucket}
@@ -178,6 +178,18 @@ def live_pass_rates(store: Store, campaign: str, bucket_minutes: float | None = 
     frame["low"] = [r[0] for r in rates]
     frame["high"] = [r[1] for r in rates]
     return frame
+
+
+def live_pass_rate_series(store: Store, campaign: str, points: int = 24) -> pd.DataFrame:
+    """:func:`live_pass_rates` over time: the span from the first to the last trace with an outcome cut into
+    about ``points`` equal buckets (at least one second each), so the series reads alike over an afternoon's
+    demo and a month of traffic. Columns as :func:`live_pass_rates`, with ``bucket`` (the bucket's start)."""
+    span = store.query(f"SELECT min(created_at) AS first, max(created_at) AS last FROM ({OUTCOMES_SQL})", [campaign])
+    if span.empty or pd.isna(span["first"].iloc[0]):
+        return live_pass_rates(store, campaign).assign(bucket=[])
+    seconds = (pd.Timestamp(span["last"].iloc[0]) - pd.Timestamp(span["first"].iloc[0])).total_seconds()
+    width = max(1, int(seconds / max(points, 1)) + 1)
+    return live_pass_rates(store, campaign, bucket_minutes=width / 60)
 
 
 def wilson(passed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
