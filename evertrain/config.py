@@ -476,6 +476,10 @@ class ServingConfig(_Strict):
         60.0, gt=0, description="How often the endpoint logs the live pass rate (per environment and tool, of the "
         "served version) to MLflow, in a run named 'endpoint' of the campaign's experiment.")
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    vllm_concurrency: int = Field(
+        8, ge=1, le=256, description="With generation.backend = 'vllm' (the champion on vLLM's own OpenAI server): "
+        "how many requests the endpoint sends to vLLM at once, for vLLM to batch (the in-house sampler takes one "
+        "at a time).")
     curate_from_traces: bool = Field(
         False, description="Curation also draws training problems from the endpoint's verifiable traces "
         "(failures first), each with its trace id as provenance (evertrain.serving.trace_source).")

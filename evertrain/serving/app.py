@@ -103,6 +103,8 @@ class Champion:
         self.last_error: str | None = None
         # versions whose load failed: {version: {digest, delay, next_try, attempts, error}}
         self.failed: dict[int, dict[str, Any]] = {}
+        # generation.backend = "vllm": vLLM's own OpenAI server does the sampling (evertrain.serving.vllm_server)
+        self.vllm: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -118,6 +120,8 @@ class Champion:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.vllm is not None:
+            self.vllm.close()
 
     def _champion_version(self) -> int:
         version = self.tracker.alias("champion")
@@ -133,14 +137,24 @@ class Champion:
             self._loaded.move_to_end(version)
             return self._loaded[version]
         from evertrain.models.policy import resolve_device
-        from evertrain.models.sampler import open_sampler
+        from evertrain.models.sampler import backend_for, open_sampler, resolve_backend
 
-        sampler, seconds = open_sampler(self.config, self.rt.checkpoint(version))
+        if resolve_backend(self.config) == "vllm":
+            if self.vllm is None:
+                from evertrain.serving.vllm_server import VLLMServers
+
+                backend_for(self.config).refuse(self.config, self.rt.base_model)  # what vLLM cannot run, named
+                self.vllm = VLLMServers(self.config, self.rt.base_model)
+            sampler, seconds = self.vllm.open(version, self.rt.checkpoint(version))
+        else:
+            sampler, seconds = open_sampler(self.config, self.rt.checkpoint(version))
         served = Served(version=version, name=f"{self.config.name}@v{version}", sampler=sampler,
                         tokenizer=sampler.tokenizer, on_gpu=resolve_device(self.config.model.device).type == "cuda")
         self._loaded[version] = served
         while len(self._loaded) > self.keep_loaded:
-            self._loaded.popitem(last=False)  # requests still holding it keep it alive until they finish
+            evicted, _ = self._loaded.popitem(last=False)  # requests still holding it keep it alive until they end
+            if self.vllm is not None:
+                self.vllm.release(evicted)
         log.info("endpoint: loaded %s in %.2f s", served.name, seconds)
         return served
 
@@ -271,7 +285,11 @@ class Endpoint:
         self.writer: TraceWriter | None = None
         # one generation at a time: the sampler uses every torch thread already, and one model per request
         # keeps each request's token and time accounting exact
-        self.generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evertrain-generate")
+        from evertrain.models.sampler import resolve_backend
+
+        # on vLLM's server, concurrent requests are batched by vLLM itself: let them reach it together
+        workers = self.serving.vllm_concurrency if resolve_backend(config) == "vllm" else 1
+        self.generator = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="evertrain-generate")
         self.graders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="evertrain-grade")
         self._envs: dict[str, Environment] = {}
         self._env_lock = threading.Lock()
@@ -569,7 +587,8 @@ class Endpoint:
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": draft.completion_tokens,
                       "total_tokens": len(prompt) + draft.completion_tokens,
                       "prompt_tokens_details": {"cached_tokens": draft.cached_tokens}},
-            "evertrain": {"trace_id": draft.trace_id, "model_version": served.version},
+            "evertrain": {"trace_id": draft.trace_id, "model_version": served.version,
+                          "backend": served.sampler.backend, "served_by": getattr(stats, "served_by", served.name)},
         }
 
     # --- outcomes and traces -----------------------------------------------------------------------
