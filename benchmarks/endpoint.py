@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--traced", type=int, default=10_000, help="traced requests before counting files")
     parser.add_argument("--max-tokens", type=int, default=2, help="completion tokens per request (default 2)")
     parser.add_argument("--flush-seconds", type=float, help="serving.trace_flush_seconds (default: the config's)")
+    parser.add_argument("--max-batch", type=int, help="serving.max_batch: concurrent requests sampled in one call "
+                        "(1: one at a time; default: the config's)")
     parser.add_argument("--output", default="endpoint", help="results file name under benchmarks/results/")
     args = parser.parse_args()
 
@@ -107,6 +109,8 @@ def main() -> None:
     data["serving"] = {"compact_seconds": 1e9}
     if args.flush_seconds:
         data["serving"]["trace_flush_seconds"] = args.flush_seconds
+    if args.max_batch:
+        data["serving"]["max_batch"] = args.max_batch
     config = type(load_config(None)).model_validate(data)
     get_runtime(config).ensure_started()
 
@@ -160,6 +164,7 @@ def main() -> None:
           f"({compact_s:.1f} s)")
     path = save(args.output, {"model": "tiny (tests' model: 2 layers, hidden 64, byte-level tokenizer)",
                               "clients": args.clients, "max_tokens": args.max_tokens, "rounds": rounds,
+                              "max_batch": config.serving.max_batch,
                               "summary": summary, "tracing_cost_rps": round(cost, 4), "files": files,
                               "load_average_1m_at_end": os.getloadavg()[0]})
     print(f"wrote {path}")

@@ -476,6 +476,10 @@ class ServingConfig(_Strict):
         60.0, gt=0, description="How often the endpoint logs the live pass rate (per environment and tool, of the "
         "served version) to MLflow, in a run named 'endpoint' of the campaign's experiment.")
     redaction: RedactionConfig = Field(default_factory=RedactionConfig)
+    max_batch: int = Field(
+        8, ge=1, le=64, description="On the in-house sampler: requests that arrive while a generation runs are "
+        "sampled together in the next call, up to this many (those with the same version and sampling settings; "
+        "each with its own seed). 1: one request per call.")
     vllm_concurrency: int = Field(
         8, ge=1, le=256, description="With generation.backend = 'vllm' (the champion on vLLM's own OpenAI server): "
         "how many requests the endpoint sends to vLLM at once, for vLLM to batch (the in-house sampler takes one "

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -529,10 +530,44 @@ def test_live_pass_rate_per_version_and_its_plot_reach_mlflow(live):
                                             extra_body={"evertrain": {"env": "calculator"}})
     assert httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": True}, timeout=30).status_code \
         == 200
+    untasked = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert httpx.post(f"{server.url}/feedback", json={"trace_id": untasked.id, "passed": False},
+                      timeout=30).status_code == 200  # no task named: env '(none)', not a valid MLflow name as is
     assert server.endpoint.writer.flush(60)
     logged = server.endpoint.log_live_metrics()
+    assert "live_pass_rate/v1/no_env/no_tool" in logged
     run = rt.tracker.client.get_run(server.endpoint._metrics_run)
     assert run.data.metrics["live_pass_rate/v1/calculator/python"] == logged["live_pass_rate/v1/calculator/python"]
     assert logged["live_requests/v1/calculator/python"] >= 1
     artifacts = [a.path for a in rt.tracker.client.list_artifacts(server.endpoint._metrics_run)]
     assert "live_pass_rate.png" in artifacts
+
+
+def test_concurrent_requests_are_sampled_together_with_their_own_seeds(live):
+    """Eight clients at once: the in-house sampler answers them in fewer calls than requests (batches), and each
+    answer is the one its seed gives alone (a request's draws do not depend on who shared its call)."""
+    _config, _rt, server, client = live
+    batcher = server.endpoint.batcher
+    assert batcher is not None
+
+    def ask(seed: int) -> Any:
+        return client.chat.completions.create(model="live", messages=[{"role": "user", "content": "What is 7 + 5?"}],
+                                              max_tokens=12, temperature=1.0, seed=seed)
+
+    alone = {seed: ask(seed).choices[0].message.content for seed in (1, 2)}
+    calls, jobs = batcher.calls, batcher.jobs
+    answers: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(1 + i % 2))) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(answers) == 8 and batcher.jobs - jobs == 8
+    assert batcher.calls - calls < 8 and batcher.largest >= 2, (batcher.calls - calls, batcher.largest)
+    for i, answer in answers.items():
+        assert answer.choices[0].message.content == alone[1 + i % 2]
+    stored = _stored(server, "SELECT trace_id, completion_tokens, prompt_tokens FROM traces WHERE trace_id IN "
+                     f"({', '.join('?' * 8)})", [a.id for a in answers.values()]).set_index("trace_id")
+    for answer in answers.values():
+        assert stored.loc[answer.id, "completion_tokens"] == answer.usage.completion_tokens > 0
+        assert stored.loc[answer.id, "prompt_tokens"] == answer.usage.prompt_tokens > 0

@@ -49,6 +49,7 @@ from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, now, open_store, to_json
 from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
+from evertrain.serving.batching import Batcher, Job
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
 
@@ -283,13 +284,21 @@ class Endpoint:
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
         self.writer: TraceWriter | None = None
-        # one generation at a time: the sampler uses every torch thread already, and one model per request
-        # keeps each request's token and time accounting exact
         from evertrain.models.sampler import resolve_backend
 
-        # on vLLM's server, concurrent requests are batched by vLLM itself: let them reach it together
-        workers = self.serving.vllm_concurrency if resolve_backend(config) == "vllm" else 1
+        # on vLLM's server, concurrent requests are batched by vLLM itself: let them reach it together; on the
+        # in-house sampler the batcher runs one sampling call at a time (it uses every torch thread), for
+        # up to serving.max_batch requests that arrived meanwhile
+        self.batcher: Batcher | None = None
+        if resolve_backend(config) == "vllm":
+            workers = self.serving.vllm_concurrency
+        else:
+            workers = self.serving.max_batch
+            if self.serving.max_batch > 1:
+                self.batcher = Batcher(self.serving.max_batch)
         self.generator = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="evertrain-generate")
+        # a fast tokenizer used from two threads at once can fail ("Already borrowed"): prompts are encoded in turn
+        self._encode_lock = threading.Lock()
         self.graders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="evertrain-grade")
         self._envs: dict[str, Environment] = {}
         self._env_lock = threading.Lock()
@@ -322,12 +331,12 @@ class Endpoint:
         rates = every[every["model_version"] == served.version]
         metrics = {"served_version": float(served.version)}
         for row in rates.itertuples(index=False):
-            key = f"{row.env}/{row.tools or 'no_tool'}"
+            key = _metric_key(f"{row.env}/{row.tools or 'no_tool'}")
             metrics[f"live_pass_rate/{key}"] = float(row.pass_rate)
             metrics[f"live_requests/{key}"] = float(row.requests)
         for row in every.itertuples(index=False):
             if row.model_version is not None and row.model_version == row.model_version:  # not NaN
-                key = f"v{int(row.model_version)}/{row.env}/{row.tools or 'no_tool'}"
+                key = _metric_key(f"v{int(row.model_version)}/{row.env}/{row.tools or 'no_tool'}")
                 metrics[f"live_pass_rate/{key}"] = float(row.pass_rate)
                 metrics[f"live_requests/{key}"] = float(row.requests)
         tracker = self.champion.tracker
@@ -371,6 +380,8 @@ class Endpoint:
         self.champion.stop()
         self.graders.shutdown(wait=True)
         self.generator.shutdown(wait=True)
+        if self.batcher is not None:
+            self.batcher.close()
         if self.writer is not None:
             self.writer.close()
 
@@ -538,17 +549,24 @@ class Endpoint:
         from evertrain.envs.tools import parse_tool_call, stop_strings
         from evertrain.models.policy import encode_chat
 
-        prompt = encode_chat(served.tokenizer, request.messages)
+        with self._encode_lock:
+            prompt = encode_chat(served.tokenizer, request.messages)
         if len(prompt) > self.serving.max_prompt_tokens:
             raise ApiError(400, f"the prompt is {len(prompt)} tokens, above this endpoint's limit of "
                            f"{self.serving.max_prompt_tokens} (serving.max_prompt_tokens)",
                            code="context_length_exceeded", param="messages")
         stops = (*stop_strings(request.active_tools), *request.stop)
         seed = request.seed if request.seed is not None else uuid.uuid4().int & 0x7FFFFFFF
-        groups, stats = served.sampler.sample(
-            [prompt], request.n, max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-4),
-            top_p=request.top_p if request.top_p > 0 else 1.0, greedy=request.temperature == 0.0, seed=seed,
-            seeds=[seed], stop_strings=stops)
+        temperature, top_p = max(request.temperature, 1e-4), request.top_p if request.top_p > 0 else 1.0
+        if self.batcher is not None and served.sampler.capabilities.per_request_seeds:
+            group, stats = self.batcher.sample(Job(
+                served=served, prompt=prompt, n=request.n, max_new_tokens=request.max_tokens, temperature=temperature,
+                top_p=top_p, greedy=request.temperature == 0.0, seed=seed, stop_strings=stops))
+            groups = [group]
+        else:
+            groups, stats = served.sampler.sample(
+                [prompt], request.n, max_new_tokens=request.max_tokens, temperature=temperature, top_p=top_p,
+                greedy=request.temperature == 0.0, seed=seed, seeds=[seed], stop_strings=stops)
         choices = []
         for index, sample in enumerate(groups[0]):
             text = sample.text
@@ -639,6 +657,12 @@ class Endpoint:
             "finish_reason": draft.finish_reason, "latency_ms": (time.perf_counter() - draft.started) * 1000,
             "prompt_tokens": draft.prompt_tokens, "cached_tokens": draft.cached_tokens,
             "completion_tokens": draft.completion_tokens, "cost_usd": draft.cost_usd, "created_at": now()})
+
+
+def _metric_key(key: str) -> str:
+    """``key`` as an MLflow metric name: traces without a named task have env '(none)', and MLflow takes only
+    letters, digits and ``_-. :/``."""
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", key.replace("(none)", "no_env"))
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
