@@ -19,6 +19,8 @@ Versions
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
@@ -144,7 +146,8 @@ class VLLMServer:
                 os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine core, one session
                 self.process.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
-                os.killpg(self.process.pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
 
 
@@ -217,6 +220,9 @@ class VLLMServers:
         self.kept: set[int] = set()  # versions the champion keeps loaded (a release spares one kept again)
         self._lock = threading.Lock()
         self._tokenizers: dict[str, Any] = {base_model: load_tokenizer(base_model)}
+        # the servers run in sessions of their own (so their engine processes stop with them): an interpreter
+        # that exits without stopping the endpoint (an uncaught error) still stops them
+        atexit.register(self.close)
 
     def _stop_ids(self, model: str, tokenizer: Any) -> list[int]:
         generation = Path(model) / "generation_config.json"
