@@ -100,3 +100,36 @@ def test_vllm_answers_names_the_version_and_the_trace_is_stored(on_vllm):
     assert traces.loc[answer.id, "model"] == f"vl@v{v2}" and (traces["status"] == "ok").all()
     assert (traces["prompt_tokens"] > 0).all() and (traces["completion_tokens"] > 0).all()
     assert traces.loc[first.id, "completion_tokens"] == first.usage.completion_tokens
+
+
+def test_a_full_weights_version_gets_a_vllm_server_of_its_own(on_vllm, tmp_path):
+    """Promoted to fully fine-tuned weights: a second vLLM server is started from the folder before the swap
+    (the current version is served meanwhile), and it answers as that version."""
+    from evertrain.data.store import now
+    from evertrain.models.policy import load_policy, save_checkpoint, write_base_checkpoint
+
+    _config, rt, server, client, _v2 = on_vllm
+    base = rt.base_model
+    model = load_policy(write_base_checkpoint(tmp_path / "b", base))[0]
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn_like(weight) * 0.5)
+    folder = save_checkpoint(model, tmp_path / "v3", base)
+    version = rt.tracker.register(folder, run_id=None, iteration=1)
+    rt.store.replace("model_versions", {"campaign": "vl", "version": version}, [{
+        "campaign": "vl", "version": version, "iteration": 1, "kind": "full", "path": str(folder),
+        "parent_version": 1, "created_at": now()}])
+    rt.tracker.set_alias("champion", version)
+    deadline = time.monotonic() + 600
+    while True:
+        answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                                max_tokens=8, temperature=0)
+        if answer.model == f"vl@v{version}":
+            break
+        assert time.monotonic() < deadline, server.endpoint.champion.last_error
+        time.sleep(1.0)
+    servers = server.endpoint.champion.vllm
+    assert answer.model_extra["evertrain"]["served_by"] == f"vl@v{version}"
+    full = servers.full[version]
+    assert full.process.pid != servers.base.process.pid and full.models() == [f"vl@v{version}"]

@@ -55,7 +55,7 @@ class VLLMServer:
     """One ``vllm.entrypoints.openai.api_server`` process serving ``model`` (a base model or full weights)."""
 
     def __init__(self, config: CampaignConfig, model: str, served_name: str, *, lora: bool,
-                 start_timeout: float = 900.0) -> None:
+                 tokenizer: str | None = None, start_timeout: float = 900.0) -> None:
         from evertrain.models.sampler import engine_options, vllm_python
 
         python = vllm_python(config)
@@ -72,6 +72,8 @@ class VLLMServer:
                 "--dtype", options["dtype"], "--max-model-len", str(options["max_model_len"]),
                 "--seed", str(options["seed"]), "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        if tokenizer is not None:  # a full checkpoint holds weights only: the tokenizer is the base model's
+            args += ["--tokenizer", tokenizer]
         if options.get("enforce_eager"):
             args.append("--enforce-eager")
         if lora and options.get("enable_lora"):
@@ -238,7 +240,7 @@ class VLLMServers:
 
     def open(self, version: int, checkpoint: str | Path) -> tuple[VLLMServerSampler, float]:
         """A sampler serving ``version`` (its weights loaded into vLLM now) and the seconds it took."""
-        from evertrain.models.policy import load_tokenizer, read_manifest
+        from evertrain.models.policy import read_manifest
 
         folder = str(Path(checkpoint).resolve())
         kind = read_manifest(folder)["kind"]
@@ -247,10 +249,10 @@ class VLLMServers:
             self.kept.add(version)
             if kind == "full":
                 if version not in self.full:
-                    self.full[version] = VLLMServer(self.config, folder, f"{self.config.name}@v{version}", lora=False)
+                    self.full[version] = VLLMServer(self.config, folder, f"{self.config.name}@v{version}", lora=False,
+                                                    tokenizer=self.base_model)
                 server, name = self.full[version], f"{self.config.name}@v{version}"
-                tokenizer = self._tokenizers.setdefault(folder, load_tokenizer(folder))
-                model = folder
+                tokenizer, model = self._tokenizers[self.base_model], folder
             else:
                 server, tokenizer, model = self._base(), self._tokenizers[self.base_model], self.base_model
                 if kind == "lora":
