@@ -92,13 +92,7 @@ def ahead(challenger_pass1: float, champion_pass1: float, per_env: dict[str, Any
 
 def _consecutive_failures(rt: Runtime, iteration: int) -> int:
     """Refused gates in a row before ``iteration`` that count toward a reset (see :func:`ahead`)."""
-    earlier = rt.store.query(
-        """SELECT p.promoted, p.reset_trainee, p.challenger_pass1, p.champion_pass1, p.per_env,
-                  coalesce(a.decision IN ('rejected', 'timeout'), false) AS refused_by_person
-           FROM promotions p LEFT JOIN approvals a ON a.campaign = p.campaign AND a.iteration = p.iteration
-           WHERE p.campaign = ? AND p.iteration < ? ORDER BY p.iteration DESC""",
-        [rt.campaign, iteration],
-    )
+    earlier = rt.store.gate_history(rt.campaign, iteration)
     count = 0
     for row in earlier.itertuples(index=False):
         if row.promoted or row.reset_trainee:
@@ -148,9 +142,7 @@ def _sealed(rt: Runtime, iteration: int, champion: int) -> dict[str, Any]:
     """Measure the base model (once) and the new champion on the sealed splits, after the decision."""
     if not rt.config.eval.sealed_problems and not any(s.sealed_problems for s in rt.config.environments):
         return {}
-    base = int(rt.store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'",
-                               [rt.campaign]))
-    return evaluate_sealed(rt, iteration, [base, champion])
+    return evaluate_sealed(rt, iteration, [rt.base_version(), champion])
 
 
 def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
@@ -160,11 +152,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         # nothing was judged: no decision row, so a skipped gate never counts as a failed one
         return {"skipped": evaluated["skipped"], "promoted": 0.0, "points_gained": 0.0}
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
-    evals = rt.store.query(
-        """SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ?
-           AND sample = 0 AND coalesce(split, 'gate') = 'gate'""",
-        [rt.campaign, iteration],
-    )
+    evals = rt.store.gate_answers(rt.campaign, iteration)
     if evals.empty or challenger not in set(evals["model_version"]):
         raise RuntimeError(f"iteration {iteration} has no evaluation of v{challenger}: run evaluate first")
     scores = evals.pivot_table(index=["problem_id", "env"], columns="model_version", values="reward").reset_index()
@@ -225,9 +213,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     sealed = _sealed(rt, iteration, new_champion) if decision["promoted"] else {}
     _publish_artifacts(rt, iteration, decision, challenger, champion)
     _log_figure(rt, iteration, run_id)
-    spent = float(rt.store.scalar(
-        """SELECT coalesce(sum(json_extract(metrics, '$.dollars')::DOUBLE), 0) FROM stage_runs
-           WHERE campaign = ? AND iteration = ? AND stage <> 'promote'""", [rt.campaign, iteration]))
+    spent = rt.store.iteration_dollars(rt.campaign, iteration, excluding="promote")
     points = 100 * decision["gain"] if decision["promoted"] else 0.0
     return {"promoted": float(decision["promoted"]), "gain": decision["gain"], "p_better": decision["p_better"],
             "iteration_dollars": spent, "points_gained": points, "points_per_dollar": points / spent if spent else 0.0,

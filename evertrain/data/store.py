@@ -42,6 +42,7 @@ import duckdb
 import pandas as pd
 
 from evertrain import faults
+from evertrain.data.queries import Queries
 
 DEFAULT_STORE = "ducklake:sqlite:data/evertrain.sqlite"
 LAKE = "lake"  # the name the DuckLake catalog is attached as (and made the default database)
@@ -379,7 +380,7 @@ def _retryable(error: Exception) -> bool:
     return any(s in text for s in ("conflict", "database is locked", "could not serialize", "deadlock"))
 
 
-class Store:
+class Store(Queries):
     """The store of one deployment. Use one writable instance per process (see :func:`open_store`)."""
 
     def __init__(self, path: str | Path, read_only: bool = False) -> None:
@@ -448,7 +449,7 @@ class Store:
         self.con.close()
 
     # --- reading -------------------------------------------------------------------------------
-    def query(self, sql: str, params: list[Any] | None = None) -> pd.DataFrame:
+    def query(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
         """Run SQL and return the whole result as a frame (results must be fetched before the next call)."""
         with self._lock:
             return self._retry_read(lambda: self.con.execute(sql, params or []).df())
@@ -461,7 +462,7 @@ class Store:
         except duckdb.Error:
             return []
 
-    def scalar(self, sql: str, params: list[Any] | None = None) -> Any:
+    def scalar(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> Any:
         with self._lock:
             row = self._retry_read(lambda: self.con.execute(sql, params or []).fetchone())
         return None if row is None else row[0]
