@@ -32,22 +32,26 @@ DEFAULT_DPO_SELECT = (
     "AND bool_or(NOT passed) OVER (PARTITION BY iteration, problem_id)")
 
 # the champion after each decision: a promotion's winner, or a rollback's target (the store's lineage events)
+# (prior: the champion before the event: the one a gate judged against, the one a rollback replaced)
 _CHAMPION_EVENTS = """
-    SELECT decided_at AS stamp, CASE WHEN promoted THEN challenger_version ELSE champion_version END AS v
+    SELECT decided_at AS stamp, CASE WHEN promoted THEN challenger_version ELSE champion_version END AS v,
+           champion_version AS prior
     FROM promotions WHERE campaign = $campaign
-    UNION ALL SELECT rolled_back_at, to_version FROM rollbacks WHERE campaign = $campaign"""
+    UNION ALL SELECT rolled_back_at, to_version, from_version FROM rollbacks WHERE campaign = $campaign"""
 
 _GATE = "coalesce(split, 'gate') = 'gate'"  # rows stored before the split column existed are the gate's
 
 
 def _number(value: Any) -> int | None:
     """An integer column's value, None for NULL (DuckDB returns None, pandas NaN or NA)."""
-    if value is None or value != value:
+    if value is None:
         return None
     try:
-        return int(value)
-    except TypeError:  # pandas.NA
+        if value != value:  # NaN
+            return None
+    except TypeError:  # pandas.NA: its comparisons are NA, whose truth is an error
         return None
+    return int(value)
 
 
 class Queries:
@@ -261,6 +265,23 @@ class Queries:
             con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
 
     # --- promotions and rollbacks -----------------------------------------------------------------------
+    def champion_history(self, campaign: str) -> tuple[int | None, int | None]:
+        """(champion, previous champion) as the store's lineage events say: the champion after the last
+        promotion decision or rollback (the base model before any), and the last different champion before it
+        (None before any change). MLflow's aliases are projected from this (tracking.py)."""
+        frame = self.query(f"SELECT v, prior FROM ({_CHAMPION_EVENTS}) ORDER BY stamp DESC NULLS LAST",
+                           {"campaign": campaign})
+        # newest first, each event's champion then the one before it: the champions in the order they held
+        chain = [v for row in frame.itertuples(index=False) for v in (_number(row.v), _number(row.prior))
+                 if v is not None]
+        base = self.base_version(campaign)
+        if base is not None:
+            chain.append(base)
+        if not chain:
+            return None, None
+        champion = chain[0]
+        return champion, next((v for v in chain[1:] if v != champion), None)
+
     def promotions(self, campaign: str) -> pd.DataFrame:
         """Every promotion decision of the campaign (all columns)."""
         return self.query("SELECT * FROM promotions WHERE campaign = ?", [campaign])

@@ -435,6 +435,47 @@ class Store(Queries):
         self._write(body)
         return len(rollout_frame)
 
+    # --- lineage: one transaction per event (MLflow's aliases are projected from these: tracking.py) ----------
+    def record_version(self, campaign: str, version: int, iteration: int, kind: str, path: str,
+                       parent: int | None, replaces_iteration: bool = True) -> None:
+        """``version`` registered for ``iteration`` and made the trainee, in one transaction (replacing the
+        versions an earlier run of the iteration registered, unless ``replaces_iteration`` is False)."""
+        row = pd.DataFrame([{"campaign": campaign, "version": version, "iteration": iteration, "kind": kind,
+                             "path": path, "parent_version": parent, "created_at": now()}])
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            if replaces_iteration:
+                con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
+            _insert(con, "model_versions", row, KEYS["model_versions"])
+            _set_trainee(con, campaign, version)
+
+        self._write(body)
+
+    def record_decision(self, campaign: str, iteration: int, decision: Mapping[str, Any],
+                        trainee: int | None = None) -> None:
+        """The gate's decision for ``iteration`` (a ``promotions`` row, replacing a rerun's) and, when the
+        trainee is reset, the new trainee, in one transaction."""
+        row = pd.DataFrame([{**decision, "campaign": campaign, "iteration": iteration}])
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            con.execute("DELETE FROM promotions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
+            _insert(con, "promotions", row, ())
+            if trainee is not None:
+                _set_trainee(con, campaign, trainee)
+
+        self._write(body)
+
+    def record_rollback(self, campaign: str, from_version: int, to_version: int, reason: str) -> None:
+        """A rollback of the champion to ``to_version``, which becomes the trainee too, in one transaction."""
+        row = pd.DataFrame([{"campaign": campaign, "rolled_back_at": now(), "from_version": from_version,
+                             "to_version": to_version, "reason": reason}])
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            _insert(con, "rollbacks", row, KEYS["rollbacks"])
+            _set_trainee(con, campaign, to_version)
+
+        self._write(body)
+
     # --- one writer per campaign ------------------------------------------------------------------
     def claim(self, campaign: str) -> None:
         """Make this process the one writer of ``campaign`` until it closes the store or exits.
@@ -598,6 +639,12 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, frame: pd.DataFrame, key
         con.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM _incoming")
     finally:
         con.unregister("_incoming")
+
+
+def _set_trainee(con: duckdb.DuckDBPyConnection, campaign: str, version: int) -> None:
+    """Make ``version`` the campaign's trainee (inside the caller's transaction)."""
+    _insert(con, "campaign_state", pd.DataFrame([{"campaign": campaign, "trainee_version": version,
+                                                  "updated_at": now()}]), KEYS["campaign_state"])
 
 
 def _rollback(con: duckdb.DuckDBPyConnection) -> None:
