@@ -174,13 +174,7 @@ class Runtime:
         else:  # the store was reset but MLflow remembers: keep MLflow's champion (no working copy: an
             # empty path makes checkpoint() fetch it from MLflow, wherever its artifacts are now)
             version, path = existing, ""
-        from evertrain.data.store import now
-
-        self.store.replace("model_versions", {"campaign": self.campaign, "version": version}, [{
-            "campaign": self.campaign, "version": version, "iteration": -1, "kind": "base", "path": path,
-            "parent_version": None, "created_at": now(),
-        }])
-        self.store.set_campaign_state(self.campaign, trainee_version=version)
+        self.store.record_version(self.campaign, version, -1, "base", path, None, replaces_iteration=False)
 
 
 _runtimes: dict[str, Runtime] = {}

@@ -190,21 +190,16 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         decision["reason"] += f"; trainee reset to champion v{new_champion} after {failures} failed gates"
     elif not decision["promoted"] and not counted:
         decision["reason"] += "; the challenger was ahead, so the trainee trains on (no reset)"
-    rt.store.replace("promotions", {"campaign": rt.campaign, "iteration": iteration}, [{
-        "campaign": rt.campaign, "iteration": iteration, "challenger_version": challenger,
-        "champion_version": champion, "promoted": decision["promoted"],
+    rt.store.record_decision(rt.campaign, iteration, {
+        "challenger_version": challenger, "champion_version": champion, "promoted": decision["promoted"],
         "challenger_pass1": challenger_pass1, "champion_pass1": champion_pass1,
         "p_better": decision["p_better"], "gain_low": decision["gain_low"], "gain_high": decision["gain_high"],
         "per_env": to_json(decision["per_env"]), "reason": decision["reason"], "reset_trainee": reset,
         "decided_at": now(),
-    }])
-    # the decision is on record before any alias moves: a crash here reruns this stage with the same
-    # champion (champion_of reads the record) and reaches the same decision
-    if decision["promoted"]:
-        rt.tracker.set_alias("champion", challenger)
-        rt.tracker.set_alias("previous_champion", champion)
-    if reset:
-        rt.store.set_campaign_state(rt.campaign, trainee_version=new_champion)
+    }, trainee=new_champion if reset else None)
+    # the decision (and a reset trainee) is on record, in one transaction, before any alias moves: a crash here
+    # reruns this stage with the same champion (champion_of reads the record), and the projection repairs MLflow
+    rt.tracker.project_lineage(rt.store, rt.campaign)
     run_id = rt.tracker.run_id(iteration)
     rt.tracker.set_tags(run_id, {
         "promotion.promoted": decision["promoted"], "promotion.reason": decision["reason"],
@@ -237,11 +232,8 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
                          "(retention.keep_challengers): it cannot be restored")
     if target == current:
         raise StoreError(f"v{target} is already the champion of campaign {rt.campaign!r}")
-    rt.store.append("rollbacks", [{"campaign": rt.campaign, "rolled_back_at": now(), "from_version": current,
-                                   "to_version": target, "reason": reason}])
-    rt.tracker.set_alias("champion", target)
-    rt.tracker.set_alias("previous_champion", current)
-    rt.store.set_campaign_state(rt.campaign, trainee_version=target)
+    rt.store.record_rollback(rt.campaign, current, target, reason)
+    rt.tracker.project_lineage(rt.store, rt.campaign)
     return {"campaign": rt.campaign, "champion": target, "previous_champion": current, "trainee": target}
 
 

@@ -62,7 +62,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig, UpdateConfig
-from evertrain.data.store import now
 from evertrain.models.grpo import (
     Group,
     LogProbs,
@@ -484,12 +483,9 @@ def _register(rt: Runtime, iteration: int, path: Path, start_version: int) -> in
             rt.tracker.delete_version(old_version)
     version = rt.tracker.register(path, rt.tracker.run_id(iteration), iteration)
     rt.tracker.set_alias("challenger", version)
-    rt.store.drop_iteration_versions(rt.campaign, iteration)
-    rt.store.replace("model_versions", {"campaign": rt.campaign, "version": version}, [{
-        "campaign": rt.campaign, "version": version, "iteration": iteration, "kind": rt.config.update.finetune,
-        "path": rt.stored_path(path), "parent_version": start_version, "created_at": now(),
-    }])
-    rt.store.set_campaign_state(rt.campaign, trainee_version=version)
+    # one store transaction: the version (replacing an earlier run's) and the trainee
+    rt.store.record_version(rt.campaign, version, iteration, rt.config.update.finetune, rt.stored_path(path),
+                            start_version)
     return version
 
 
