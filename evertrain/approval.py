@@ -92,10 +92,7 @@ def _sealed_lines(rt: Any) -> list[str]:
 
 def _example_lines(rt: Any, iteration: int, challenger: int, champion: int) -> list[str]:
     """A few gate problems with both models' answers, those where they differ first (challenger ahead first)."""
-    rows = rt.store.query(
-        """SELECT problem_id, env, model_version, completion, reward FROM evals WHERE campaign = ? AND iteration = ?
-           AND sample = 0 AND coalesce(split, 'gate') = 'gate' AND model_version IN (?, ?)""",
-        [rt.campaign, iteration, challenger, champion])
+    rows = rt.store.gate_answers(rt.campaign, iteration, (challenger, champion))
     if rows.empty:
         return []
     wide = rows.pivot_table(index=["problem_id", "env"], columns="model_version",

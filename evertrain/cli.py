@@ -45,12 +45,12 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
         return None
     store = Store(uri, read_only=True)
     try:
-        frame = store.query("SELECT config FROM campaigns WHERE campaign = ?", [campaign])
+        raw = store.campaign_config(campaign)
     except Exception:
         return None
     finally:
         store.close()
-    return None if frame.empty else json.loads(frame["config"].iloc[0])
+    return None if raw is None else json.loads(raw)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

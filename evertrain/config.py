@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from evertrain.data.queries import DEFAULT_SFT_SELECT
+
 EMBEDDED_MODELS = ("embedded:smollm2-135m-instruct", "embedded:tiny")
 
 
@@ -131,10 +133,6 @@ class CurriculumConfig(_Strict):
             raise ValueError(f"curriculum.band_low ({self.band_low}) must be below band_high ({self.band_high})")
         return self
 
-
-DEFAULT_SFT_SELECT = (
-    "SELECT iteration, problem_id, sample FROM rollouts "
-    "WHERE campaign = $campaign AND iteration = $iteration AND passed")
 
 
 class SftConfig(_Strict):

@@ -385,8 +385,7 @@ def decide(store: Any, campaign: str, iteration: int, env: str, ladder: Ladder, 
            band_high: float, window: int) -> LevelDecision:
     """The level of ``env`` at ``iteration``, from earlier iterations' levels and scored groups only."""
     top = ladder.levels - 1
-    earlier = store.query("SELECT iteration, level FROM curriculum WHERE campaign = ? AND env = ? AND iteration < ? "
-                          "ORDER BY iteration DESC", [campaign, env, iteration])
+    earlier = store.curriculum_history(campaign, env, iteration)
     if earlier.empty:
         return LevelDecision(env, min(ladder.start, top), top, None, 0, None, "start",
                              f"starts at level {min(ladder.start, top)}: {ladder.describe(min(ladder.start, top))}")
@@ -396,11 +395,7 @@ def decide(store: Any, campaign: str, iteration: int, env: str, ladder: Ladder, 
         if lv != levels[0]:
             break
         entered = int(it)
-    groups = store.query(
-        """SELECT iteration, problem_id, avg(passed::INTEGER) AS pass_rate FROM rollouts
-           WHERE campaign = ? AND env = ? AND iteration >= ? AND iteration < ? AND passed IS NOT NULL
-           GROUP BY iteration, problem_id ORDER BY iteration DESC, problem_id LIMIT ?""",
-        [campaign, env, entered, iteration, window])
+    groups = store.recent_group_pass_rates(campaign, env, entered, iteration, window)
     count = len(groups)
     rate = float(groups["pass_rate"].mean()) if count else None
     if count < window:
@@ -444,9 +439,7 @@ def record(rt: Any, iteration: int) -> tuple[dict[str, int], dict[str, Any]]:
 
 def stored_level(rt: Any, iteration: int, env: str) -> int | None:
     """The level curate stored for ``env`` at ``iteration`` (None: no curriculum row)."""
-    value = rt.store.scalar("SELECT level FROM curriculum WHERE campaign = ? AND iteration = ? AND env = ?",
-                            [rt.campaign, iteration, env])
-    return None if value is None else int(value)
+    return rt.store.curriculum_level(rt.campaign, iteration, env)
 
 
 def pass_rates(rt: Any, iteration: int) -> History:
@@ -454,12 +447,7 @@ def pass_rates(rt: Any, iteration: int) -> History:
     def history(ids: list[str]) -> dict[str, float]:
         if not ids:
             return {}
-        frame = rt.store.query(
-            """SELECT problem_id, avg(passed::INTEGER) AS rate FROM rollouts
-               WHERE campaign = ? AND iteration < ? AND passed IS NOT NULL
-                 AND problem_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY problem_id""",
-            [rt.campaign, iteration, ids])
-        return dict(zip(frame["problem_id"], frame["rate"].astype(float), strict=True))
+        return rt.store.problem_pass_rates(rt.campaign, iteration, ids)
 
     return history
 
@@ -512,7 +500,7 @@ def ensure_broad(rt: Any) -> int:
     """Draw and store the broad sealed set once per campaign (never again: it must not move); its size."""
     if not rt.config.curriculum.broad_per_level:
         return 0
-    have = int(rt.store.scalar("SELECT count(*) FROM broad_sealed WHERE campaign = ?", [rt.campaign]) or 0)
+    have = rt.store.broad_sealed_count(rt.campaign)
     if have:
         return have
     rows = draw_broad(rt)
@@ -522,8 +510,7 @@ def ensure_broad(rt: Any) -> int:
 
 def broad_ids(rt: Any) -> frozenset[str]:
     """The ids of the campaign's broad sealed set (empty when it has none)."""
-    frame = rt.store.query("SELECT problem_id FROM broad_sealed WHERE campaign = ?", [rt.campaign])
-    return frozenset(frame["problem_id"])
+    return rt.store.broad_sealed_ids(rt.campaign)
 
 
 def broad_guard(rt: Any) -> tuple[frozenset[str], Any]:
@@ -552,8 +539,7 @@ def broad_guard(rt: Any) -> tuple[frozenset[str], Any]:
 
 def broad_problems(rt: Any) -> list[Problem]:
     """The campaign's broad sealed set as problems of split ``broad`` (stored order: environment, level)."""
-    frame = rt.store.query("SELECT problem_id, env, prompt, payload FROM broad_sealed WHERE campaign = ? "
-                           "ORDER BY env, level NULLS LAST, source, problem_id", [rt.campaign])
+    frame = rt.store.broad_sealed_problems(rt.campaign)
     return [Problem(env=row.env, id=row.problem_id, prompt=row.prompt, payload=json.loads(row.payload),
                     split="broad")  # type: ignore[arg-type]
             for row in frame.itertuples(index=False)]
@@ -561,8 +547,7 @@ def broad_problems(rt: Any) -> list[Problem]:
 
 def levels_over_iterations(store: Any, campaign: str) -> list[dict[str, Any]]:
     """Every iteration's curriculum rows (the report's section); empty for a store without the table."""
-    return store.records("SELECT iteration, env, level, max_level, groups, pass_rate, action, reason "
-                         "FROM curriculum WHERE campaign = ? ORDER BY iteration, env", [campaign])
+    return store.curriculum_rows(campaign)
 
 
 def format_levels(rows: list[dict[str, Any]]) -> list[str]:

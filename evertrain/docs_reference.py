@@ -318,39 +318,21 @@ class Table:
     key: tuple[str, ...]
 
 
-def store_tables(schema: str | None = None) -> list[Table]:
-    """The store's tables parsed from its schema, with the comments written beside the columns."""
-    if schema is None:
-        from evertrain.data.store import SCHEMA as schema
-    tables = []
-    for name, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\n?\);", schema, re.S):
-        table_comment, columns, key = "", [], ()
-        lines = body.split("\n")
-        if (found := re.match(r"\s*--\s*(.*)", lines[0])) and lines[0].strip():
-            table_comment = found.group(1)
-            lines = lines[1:]
-        for line in lines:
-            code, _, comment = line.partition("--")
-            if found := re.search(r"PRIMARY KEY \(([^)]*)\)", code):
-                key = tuple(c.strip() for c in found.group(1).split(","))
-                code = code[:found.start()]
-            for part in (p.strip() for p in code.split(",")):
-                if not part:
-                    continue
-                column, kind = part.split(None, 1)
-                if kind.endswith(" PRIMARY KEY"):
-                    kind, key = kind.removesuffix(" PRIMARY KEY"), (column,)
-                columns.append((column, kind, comment.strip()))
-        tables.append(Table(name, table_comment.strip(), columns, key))
-    return tables
+def store_tables() -> list[Table]:
+    """The store's tables as its migrations leave them (evertrain.data.schema), with the notes beside the columns."""
+    from evertrain.data.schema import tables
+
+    return [Table(t.name, t.comment, [(c.name, c.type, c.note) for c in t.columns], t.key) for t in tables().values()]
 
 
 def store_reference() -> str:
     """The store reference: every table with its key and columns, as the schema declares them."""
+    from evertrain.data.schema import BOOKKEEPING
     from evertrain.data.store import TABLES
 
     out = ["# Store tables\n", GENERATED_NOTE,
-           "Parsed from `SCHEMA` in `evertrain/data/store.py`. DuckLake keeps no primary keys, so the store keeps "
+           "Read from the schema's migrations in `evertrain/data/schema.py` (a store is upgraded to the latest on "
+           "open; `schema_info` holds its version). DuckLake keeps no primary keys, so the store keeps "
            "them: every insert first deletes the rows with the same key, in the same transaction, which is what "
            "makes a rerun of a stage replace its rows instead of adding to them. Read any of them with "
            "`evertrain sql \"SELECT ...\"`.\n"]
@@ -364,7 +346,7 @@ def store_reference() -> str:
         out.append(f"## {table.name}\n")
         if table.comment:
             out.append(_cell(table.comment[:1].upper() + table.comment[1:]) + ".\n")
-        if table.name not in listed and table.name != "schema_info":
+        if table.name not in listed and table.name not in BOOKKEEPING:
             out.append("Not in `TABLES` (not counted by `Store.counts()`).\n")
         out += ["| column | type | key | note |", "| --- | --- | --- | --- |"]
         out += [f"| `{c}` | `{kind}` | {'yes' if c in table.key else ''} | {_cell(note)} |"

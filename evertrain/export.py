@@ -89,36 +89,15 @@ def _log_transformers_model(rt: Runtime, model: Any, tokenizer: Any, version: in
 def collect_lineage(rt: Runtime, version: int, row: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     """Where ``version`` came from, read from the store: the chain of versions back to the base model, the
     iterations and data that trained them, the gate's decisions, held-out results and what it all cost."""
-    import pandas as pd
-
     from evertrain.report import champion_vs_base
 
     store, campaign = rt.store, rt.campaign
-    chain, current = [], version
-    while current is not None:
-        found = store.query("SELECT version, iteration, kind, parent_version FROM model_versions "
-                            "WHERE campaign = ? AND version = ?", [campaign, current])
-        if found.empty:
-            break
-        link = found.iloc[0]
-        chain.append({"version": int(link["version"]), "iteration": int(link["iteration"]), "kind": link["kind"]})
-        parent = link["parent_version"]
-        current = None if pd.isna(parent) else int(parent)  # None, NaN or NA: the base model has no parent
+    chain = store.lineage(campaign, version)
     iterations = sorted(c["iteration"] for c in chain if c["iteration"] >= 0)
     last = max(iterations) if iterations else -1
-    data = store.query(
-        """SELECT env, count(DISTINCT problem_id) AS problems, count(*) AS rollouts, avg(reward) AS mean_reward
-           FROM rollouts WHERE campaign = ? AND iteration <= ? GROUP BY env ORDER BY env""", [campaign, last])
-    gates = store.query(
-        """SELECT iteration, challenger_version, champion_version, promoted, challenger_pass1, champion_pass1,
-                  gain_low, gain_high, reason FROM promotions WHERE campaign = ? AND iteration <= ?
-           ORDER BY iteration""",
-        [campaign, last])
-    cost = store.query(
-        """SELECT coalesce(sum(wall_s), 0) AS wall_s, coalesce(sum(cpu_s), 0) AS cpu_s,
-                  coalesce(sum(json_extract(metrics, '$.gpu_s')::DOUBLE), 0) AS gpu_s,
-                  coalesce(sum(json_extract(metrics, '$.dollars')::DOUBLE), 0) AS dollars
-           FROM stage_runs WHERE campaign = ? AND iteration <= ?""", [campaign, last]).iloc[0]
+    data = store.rollout_summary(campaign, last)
+    gates = store.promotions_until(campaign, last)
+    cost = store.cost_until(campaign, last)
     held_out = [r for r in champion_vs_base(store, campaign) if r["champion_version"] == version]
     return {
         "campaign": campaign, "version": version, "kind": row["kind"],

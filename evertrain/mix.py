@@ -89,18 +89,7 @@ def counts(total: int, share: list[float]) -> list[int]:
 
 def history(store: Any, campaign: str, iteration: int, window: int) -> dict[str, tuple[int, float, float]]:
     """Per environment over iterations [iteration - window, iteration): (groups, pass rate, informative share)."""
-    frame = store.query(
-        """SELECT env, count(*) AS groups, avg(pass_rate) AS pass_rate, avg(informative::INTEGER) AS informative
-           FROM (SELECT env, iteration, problem_id, avg(passed::INTEGER) AS pass_rate,
-                        max(reward) > min(reward) AS informative
-                 FROM rollouts
-                 WHERE campaign = ? AND iteration < ? AND iteration >= ? AND reward IS NOT NULL
-                 GROUP BY env, iteration, problem_id)
-           GROUP BY env""",
-        [campaign, iteration, iteration - window],
-    )
-    return {row.env: (int(row.groups), float(row.pass_rate), float(row.informative))
-            for row in frame.itertuples(index=False)}
+    return store.env_group_history(campaign, iteration - window, iteration)
 
 
 def plan(config: CampaignConfig, store: Any, campaign: str, iteration: int) -> list[EnvMix]:

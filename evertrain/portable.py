@@ -10,7 +10,6 @@ rewrites those locations when the tracker finds the artifacts under a new root.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from pathlib import Path
 
 log = logging.getLogger("evertrain")
@@ -43,28 +42,10 @@ def rebase_mlflow_artifacts(db_file: Path, old: str, new: str) -> int:
     MLflow offers no API to move an experiment's artifact root; its rows are plain strings, so a
     prefix replacement in one transaction is the whole move. Returns the number of rows changed.
     """
+    from evertrain.data.databases import rebase_mlflow_locations
+
     old, new = old.rstrip("/"), new.rstrip("/")
-    targets = [("experiments", "artifact_location"), ("runs", "artifact_uri"), ("model_versions", "source"),
-               ("model_versions", "storage_location"), ("logged_models", "artifact_location")]
-    changed = 0
-    con = sqlite3.connect(db_file)
-    try:
-        with con:
-            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            for table, column in targets:
-                if table not in tables:
-                    continue
-                columns = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
-                if column not in columns:
-                    continue
-                # exact match or a child path only: /a/demo must not rewrite /a/demo2
-                cursor = con.execute(
-                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
-                    f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
-                    [new, len(old) + 1, old, len(old) + 1, old + "/"])
-                changed += cursor.rowcount
-    finally:
-        con.close()
+    changed = rebase_mlflow_locations(db_file, old, new)
     if changed:
         log.warning("MLflow artifacts moved: %d location(s) rebased from %s to %s", changed, old, new)
     return changed

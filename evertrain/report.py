@@ -48,11 +48,8 @@ def share_line(rows: list[dict[str, Any]]) -> str | None:
 
 def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
     """One dict per iteration of ``campaign`` with its headline numbers (None where a stage has not run)."""
-    stages = store.query(
-        "SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs WHERE campaign = ? ORDER BY iteration",
-        [campaign],
-    )
-    promotions = store.query("SELECT * FROM promotions WHERE campaign = ?", [campaign]).set_index("iteration")
+    stages = store.stage_runs(campaign)
+    promotions = store.promotions(campaign).set_index("iteration")
     rows: list[dict[str, Any]] = []
     for iteration, group in stages.groupby("iteration", sort=True):
         metrics = {row.stage: json.loads(row.metrics or "{}") for row in group.itertuples(index=False)}
@@ -161,12 +158,7 @@ def render_table(rows: list[dict[str, Any]], title: str) -> None:
 
 def current_champion(store: Store, campaign: str) -> int | None:
     """The champion after the campaign's last promotion decision or rollback, as the store recorded them."""
-    events = store.query(
-        """SELECT decided_at AS stamp, CASE WHEN promoted THEN challenger_version ELSE champion_version END AS v
-           FROM promotions WHERE campaign = ?
-           UNION ALL SELECT rolled_back_at, to_version FROM rollbacks WHERE campaign = ?
-           ORDER BY stamp DESC LIMIT 1""", [campaign, campaign])
-    return None if events.empty else int(events["v"].iloc[0])
+    return store.champion_from_events(campaign)
 
 
 def _paired_gains(frame: Any, before: int, after: int, samples: int, seed: int) -> list[dict[str, Any]]:
@@ -195,13 +187,10 @@ def champion_vs_base(store: Store, campaign: str, samples: int = 2000, seed: int
     and the sealed ``test`` and ``transfer`` splits (measured after promotions, never looked at by one);
     the gate's gain above the sealed test gain shows how far the gate's repeated use flatters it."""
     champion = current_champion(store, campaign)
-    base = store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [campaign])
+    base = store.base_version(campaign)
     if champion is None or base is None:
         return []
-    frame = store.query(
-        """SELECT model_version, env, coalesce(split, 'gate') AS split, problem_id, any_value(reward) AS reward
-           FROM evals WHERE campaign = ? AND sample = 0 AND model_version IN (?, ?) GROUP BY ALL""",
-        [campaign, int(base), champion])
+    frame = store.greedy_answers(campaign, (base, champion))
     rows = []
     for row in _paired_gains(frame, int(base), champion, samples, seed):
         before, after = row.pop("before_pass1"), row.pop("after_pass1")
@@ -218,23 +207,19 @@ def last_refusal(store: Store, campaign: str, samples: int = 2000, seed: int = 0
     """When the campaign's last gate kept the champion: that challenger against the champion, per environment,
     on the gate's problems both answered (what the gate weighed), with the gate's reason; None otherwise.
     A refused challenger is often better overall and worse on one domain: this says which."""
-    last = store.query(
-        """SELECT iteration, challenger_version, champion_version, promoted, reason FROM promotions
-           WHERE campaign = ? ORDER BY decided_at DESC LIMIT 1""", [campaign])
-    if last.empty or bool(last["promoted"].iloc[0]) or last["challenger_version"].isna().iloc[0]:
+    import pandas as pd
+
+    last = store.last_promotion(campaign)
+    if last is None or bool(last["promoted"]) or pd.isna(last["challenger_version"]):
         return None
-    iteration, challenger = int(last["iteration"].iloc[0]), int(last["challenger_version"].iloc[0])
-    champion = int(last["champion_version"].iloc[0])
-    frame = store.query(
-        """SELECT model_version, env, 'gate' AS split, problem_id, any_value(reward) AS reward FROM evals
-           WHERE campaign = ? AND sample = 0 AND coalesce(split, 'gate') = 'gate'
-             AND ((iteration = ? AND model_version = ?) OR (iteration <= ? AND model_version = ?))
-           GROUP BY ALL""", [campaign, iteration, challenger, iteration, champion])
+    iteration, challenger = int(last["iteration"]), int(last["challenger_version"])
+    champion = int(last["champion_version"])
+    frame = store.refused_gate_answers(campaign, iteration, challenger, champion)
     envs = [{"env": r["env"], "problems": r["problems"], "champion_pass1": r["before_pass1"],
              "challenger_pass1": r["after_pass1"], "gain": r["gain"], "gain_low": r["gain_low"],
              "gain_high": r["gain_high"]} for r in _paired_gains(frame, champion, challenger, samples, seed)]
     return {"iteration": iteration, "challenger_version": challenger, "champion_version": champion,
-            "reason": str(last["reason"].iloc[0]), "envs": envs}
+            "reason": str(last["reason"]), "envs": envs}
 
 
 def format_refusal(refusal: dict[str, Any] | None) -> list[str]:
@@ -266,14 +251,7 @@ def sample_rollouts(store: Store, campaign: str, iteration: int, env: str | None
                     per_env: int = 4) -> list[dict[str, Any]]:
     """Up to ``per_env`` scored rollouts of each environment of ``iteration`` (a passed one first where there
     is one), with their turns parsed: what `evertrain show` prints and what MLflow gets as a table."""
-    frame = store.query(
-        """SELECT env, problem_id, sample, policy_version, prompt_text, turns, completion, reward, passed, reason,
-                  finish_reason FROM (
-               SELECT *, row_number() OVER (PARTITION BY env ORDER BY passed DESC NULLS LAST, problem_id, sample)
-                   AS pick
-               FROM rollouts WHERE campaign = ? AND iteration = ? AND (? IS NULL OR env = ?))
-           WHERE pick <= ? ORDER BY env, pick""",
-        [campaign, iteration, env, env, per_env])
+    frame = store.sample_rollouts(campaign, iteration, env, per_env)
     rows = frame.to_dict("records")
     for row in rows:
         row["turns"] = json.loads(row["turns"]) if isinstance(row["turns"], str) and row["turns"] else []
@@ -311,9 +289,7 @@ def render_rollouts(rows: list[dict[str, Any]], title: str, prompt_chars: int = 
 def mix_over_iterations(store: Store, campaign: str) -> list[dict[str, Any]]:
     """The adaptive mix of every iteration (the store's ``mix`` table): per environment its share, problems,
     recent pass rate, informative-group share and learnability. Empty when the mix is not adaptive."""
-    return store.records(
-        """SELECT iteration, env, share, problems, pass_rate, informative_share, learnability, reason
-           FROM mix WHERE campaign = ? ORDER BY iteration, env""", [campaign])
+    return store.mix_rows(campaign)
 
 
 def format_mix(rows: list[dict[str, Any]]) -> list[str]:
@@ -332,16 +308,10 @@ def agent_metrics(store: Store, campaign: str) -> list[dict[str, Any]]:
     pass@1, the share of episodes that called a tool, assistant turns per solved problem, and rework (tool
     calls made after an earlier call failed), per episode."""
     champion = current_champion(store, campaign)
-    base = store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [campaign])
+    base = store.base_version(campaign)
     if champion is None or base is None:
         return []
-    frame = store.query(
-        """SELECT model_version, env, problem_id, any_value(reward) AS reward, any_value(passed) AS passed,
-                  any_value(tool_calls) AS tool_calls, any_value(rework) AS rework,
-                  any_value(turns) AS turns
-           FROM evals WHERE campaign = ? AND sample = 0 AND coalesce(split, 'gate') = 'gate'
-             AND model_version IN (?, ?) GROUP BY ALL""",
-        [campaign, int(base), champion])
+    frame = store.greedy_answers(campaign, (base, champion), gate_only=True)
     out = []
     with_tools = {env for env, part in frame.groupby("env") if (part["tool_calls"].fillna(0) > 0).any()}
     for (env, version), part in frame.groupby(["env", "model_version"], sort=True):
@@ -411,14 +381,7 @@ def diversity(store: Store, campaign: str, iteration: int | None = None) -> list
     per group and their share of the group's samples, mean token entropy estimated from the sampling
     log-probs (-mean log-prob of the sampled policy tokens: an unbiased estimate of the per-token entropy of
     the distribution sampled from), and the share of informative groups (rewards not all equal)."""
-    where, params = ("AND iteration = ?", [campaign, iteration]) if iteration is not None else ("", [campaign])
-    # logprobs are 0.0 on tool tokens (not the policy's), so their sum is the policy tokens' sum
-    frame = store.query(
-        f"""SELECT iteration, count(*) AS samples, count(DISTINCT completion) AS distinct_completions,
-                   max(reward) > min(reward) AS informative,
-                   -sum(coalesce(list_sum(logprobs), 0)) AS neg_logprob, sum(coalesce(list_sum(loss_mask), 0)) AS tokens
-            FROM rollouts WHERE campaign = ? AND reward IS NOT NULL {where}
-            GROUP BY iteration, problem_id""", params)
+    frame = store.group_diversity(campaign, iteration)
     out = []
     for it, part in frame.groupby("iteration", sort=True):
         tokens = float(part["tokens"].sum())
@@ -482,7 +445,7 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
     problems. The gate's sequential looks and regression rule are not modelled: a fixed-size approximation."""
     from evertrain.config import CampaignConfig
 
-    raw = store.scalar("SELECT config FROM campaigns WHERE campaign = ?", [campaign])
+    raw = store.campaign_config(campaign)
     if raw is None:
         return None
     try:
@@ -491,12 +454,7 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
         return None
     problems = sum(config.eval_size(spec.name) for spec in config.environments)
     alpha = 1 - config.promotion.confidence
-    pairs = store.query(
-        """SELECT e.iteration, e.problem_id, e.role, any_value(e.passed) AS passed FROM evals e
-           JOIN promotions p ON p.campaign = e.campaign AND p.iteration = e.iteration
-           WHERE e.campaign = ? AND e.sample = 0 AND coalesce(e.split, 'gate') = 'gate'
-             AND p.challenger_version <> p.champion_version
-           GROUP BY ALL""", [campaign])
+    pairs = store.compared_gate_verdicts(campaign)
     discordant, source = None, "assumed"
     if not pairs.empty:
         last = pairs[pairs["iteration"] == pairs["iteration"].max()]
@@ -507,9 +465,8 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
                 discordant = float((wide["challenger"].astype(bool) != wide["champion"].astype(bool)).mean())
                 source = f"measured at iteration {int(last['iteration'].iloc[0])} on {len(wide)} problems"
     if not discordant:
-        champion = store.scalar("SELECT avg(reward) FROM evals WHERE campaign = ? AND sample = 0 AND role = 'champion' "
-                                "AND coalesce(split, 'gate') = 'gate'", [campaign])
-        p = 0.5 if champion is None else float(champion)
+        champion = store.champion_gate_pass1(campaign)
+        p = 0.5 if champion is None else champion
         discordant = max(2 * p * (1 - p), 1.0 / max(problems, 1))
         source = "assumed 2p(1-p)" + ("" if champion is None else f" at champion pass@1 {p:.2f}")
     return {"problems": problems, "alpha": alpha, "power": power, "discordant": discordant, "source": source,

@@ -44,8 +44,7 @@ def apply_retention(rt: Runtime) -> dict[str, Any]:
     k = rt.config.retention.keep_challengers
     if k is None:
         return {"deleted_versions": [], "kept_versions": []}
-    versions = rt.store.query(
-        "SELECT version, kind, path FROM model_versions WHERE campaign = ? ORDER BY version", [rt.campaign])
+    versions = rt.store.model_versions(rt.campaign)
     live = versions[~versions["kind"].str.endswith("-deleted") & (versions["kind"] != "base")]
     keep = protected_versions(rt) | set(int(v) for v in live["version"].tolist()[-k:] if k)
     deleted = []

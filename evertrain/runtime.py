@@ -111,6 +111,13 @@ class Runtime:
             raise StoreError(f"campaign {self.campaign!r} has no trainee yet: run its first iteration")
         return int(state["trainee_version"])
 
+    def base_version(self) -> int:
+        """The campaign's base model version (registered by its first iteration)."""
+        version = self.store.base_version(self.campaign)
+        if version is None:
+            raise StoreError(f"campaign {self.campaign!r} has no base model version yet: run its first iteration")
+        return version
+
     def champion_version(self) -> int:
         version = self.tracker.alias("champion")
         if version is None:
@@ -131,8 +138,7 @@ class Runtime:
             # the self-test's version is part of the key: a cached verdict of an older battery (or of
             # verifiers since fixed) is not trusted, the environment is tested again
             options = json.dumps({**spec.options, "selftest_version": SELFTEST_VERSION}, sort_keys=True)
-            known = self.store.query("SELECT ok, failures FROM env_validations WHERE env = ? AND options = ?",
-                                     [spec.name, options])
+            known = self.store.env_validation(spec.name, options)
             if known.empty:
                 report = validate(self.env(spec.name), problems=1, seed=self.config.seed)
                 from evertrain.data.store import now, to_json
@@ -168,13 +174,7 @@ class Runtime:
         else:  # the store was reset but MLflow remembers: keep MLflow's champion (no working copy: an
             # empty path makes checkpoint() fetch it from MLflow, wherever its artifacts are now)
             version, path = existing, ""
-        from evertrain.data.store import now
-
-        self.store.replace("model_versions", {"campaign": self.campaign, "version": version}, [{
-            "campaign": self.campaign, "version": version, "iteration": -1, "kind": "base", "path": path,
-            "parent_version": None, "created_at": now(),
-        }])
-        self.store.set_campaign_state(self.campaign, trainee_version=version)
+        self.store.record_version(self.campaign, version, -1, "base", path, None, replaces_iteration=False)
 
 
 _runtimes: dict[str, Runtime] = {}

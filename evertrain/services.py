@@ -83,18 +83,9 @@ def start_postgres(root: Path, host: str = "127.0.0.1", port: int | None = None)
     _run([*_as_postgres(), str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "120",
           "-o", f"-p {port} -k {data} -c listen_addresses={host} -c max_connections=200", "start"],
          f"PostgreSQL (log {log})")
-    import psycopg2
+    from evertrain.data.databases import create_postgres_databases
 
-    con = psycopg2.connect(host=host, port=port, user="postgres", dbname="postgres")
-    con.autocommit = True  # CREATE DATABASE refuses to run inside a transaction
-    try:
-        with con.cursor() as cursor:
-            for name in DATABASES:
-                cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name])
-                if cursor.fetchone() is None:
-                    cursor.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        con.close()
+    create_postgres_databases(host, port, DATABASES)
     return {"data": str(data), "host": host, "port": port, "log": str(log)}
 
 

@@ -1,8 +1,10 @@
 """MLflow: one experiment per campaign, one run per iteration, one registered model per campaign.
 
-Aliases in the registry are the truth about which version is ``champion``, ``challenger`` and
-``previous_champion``. Model versions point at checkpoint folders logged as run artifacts, so
-``models:/evertrain-<campaign>@champion`` always resolves to something :func:`load_policy` can load.
+The registry's ``champion`` and ``previous_champion`` aliases are a projection of the store's lineage (the
+store records each decision and rollback in one transaction; :meth:`Tracker.project_lineage` moves the aliases
+to match, and repairs them when run again); ``challenger`` names the last registered update. Model versions
+point at checkpoint folders logged as run artifacts, so ``models:/evertrain-<campaign>@champion`` always
+resolves to something :func:`load_policy` can load.
 """
 
 from __future__ import annotations
@@ -180,6 +182,17 @@ class Tracker:
 
     def set_alias(self, alias: str, version: int) -> None:
         self.client.set_registered_model_alias(self.model_name, alias, str(version))
+
+    def project_lineage(self, store: Any, campaign: str) -> dict[str, int | None]:
+        """Point the ``champion`` and ``previous_champion`` aliases where the store's lineage says (the store is
+        the authority: promotion decisions and rollbacks, each one transaction; these aliases are its projection
+        for MLflow's users, ``models:/...@champion``). Idempotent: run again, it repairs an alias a crash between
+        the store's commit and this call left behind. Returns the aliases as they now are."""
+        champion, previous = store.champion_history(campaign)
+        for alias, version in (("champion", champion), ("previous_champion", previous)):
+            if version is not None and self.alias(alias) != version:
+                self.set_alias(alias, version)
+        return {"champion": champion, "previous_champion": previous}
 
     def versions_of(self, iteration: int) -> list[int]:
         """Model versions registered by the update of ``iteration`` (a rerun or a crash may leave several)."""

@@ -66,17 +66,7 @@ def attempt_history(rt: Runtime, iteration: int, ids: list[str], k: int) -> dict
     """(attempts, passes) over each problem's last ``k`` scored attempts before ``iteration``."""
     if not ids or k <= 0:
         return {}
-    frame = rt.store.query(
-        """SELECT problem_id, count(*) AS attempts, sum(passed::INTEGER) AS passes FROM (
-               SELECT problem_id, passed, row_number() OVER (
-                   PARTITION BY problem_id ORDER BY iteration DESC, sample) AS recent
-               FROM rollouts
-               WHERE campaign = ? AND iteration < ? AND passed IS NOT NULL
-                 AND problem_id IN (SELECT unnest(?::VARCHAR[])))
-           WHERE recent <= ? GROUP BY problem_id""",
-        [rt.campaign, iteration, ids, k],
-    )
-    return {row.problem_id: (int(row.attempts), int(row.passes)) for row in frame.itertuples(index=False)}
+    return rt.store.attempt_history(rt.campaign, iteration, ids, k)
 
 
 def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Problem], want: int,

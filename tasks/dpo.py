@@ -25,15 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from evertrain.config import DEFAULT_SFT_SELECT, SftConfig
+from evertrain.config import SftConfig
+from evertrain.data.queries import DEFAULT_DPO_SELECT, DEFAULT_SFT_SELECT
 from evertrain.runtime import Runtime
 from evertrain.tasks.warm_start import run_select, trainer_arguments
-
-DEFAULT_DPO_SELECT = (
-    "SELECT iteration, problem_id, sample FROM rollouts "
-    "WHERE campaign = $campaign AND iteration = $iteration AND passed IS NOT NULL "
-    "QUALIFY bool_or(passed) OVER (PARTITION BY iteration, problem_id) "
-    "AND bool_or(NOT passed) OVER (PARTITION BY iteration, problem_id)")
 
 
 def selection_sql(cfg: SftConfig) -> str:
@@ -47,29 +42,7 @@ def selection_sql(cfg: SftConfig) -> str:
 def select_pairs(rt: Runtime, iteration: int) -> Any:
     """The pairs, two rows each (``pair``, ``role`` = 'chosen' then 'rejected', token ids, loss mask, chat)."""
     cfg = rt.config.sft
-    return run_select(rt, iteration, selection_sql(cfg), lambda chosen: f"""
-        WITH chosen AS ({chosen}),
-        picked AS (
-            SELECT r.iteration, r.problem_id, r.sample, r.env, r.passed, r.prompt_ids, r.completion_ids,
-                   r.loss_mask, p.messages,
-                   row_number() OVER (PARTITION BY r.iteration, r.problem_id, r.passed ORDER BY r.sample) AS rank
-            FROM rollouts r JOIN (SELECT DISTINCT iteration, problem_id, sample FROM chosen) c
-              ON r.iteration = c.iteration AND r.problem_id = c.problem_id AND r.sample = c.sample
-            LEFT JOIN problems p
-              ON p.campaign = r.campaign AND p.iteration = r.iteration AND p.problem_id = r.problem_id
-            WHERE r.campaign = $campaign AND r.passed IS NOT NULL),
-        pairs AS (
-            SELECT w.iteration, w.problem_id, w.sample AS chosen_sample, l.sample AS rejected_sample,
-                   row_number() OVER (ORDER BY w.rank, w.iteration, w.problem_id) - 1 AS pair
-            FROM picked w JOIN picked l
-              ON l.iteration = w.iteration AND l.problem_id = w.problem_id AND l.rank = w.rank
-            WHERE w.passed AND NOT l.passed
-            QUALIFY pair < {int(cfg.max_examples)})
-        SELECT p.pair, CASE WHEN r.passed THEN 'chosen' ELSE 'rejected' END AS role, r.* EXCLUDE (rank)
-        FROM pairs p JOIN picked r
-          ON r.iteration = p.iteration AND r.problem_id = p.problem_id
-         AND r.sample IN (p.chosen_sample, p.rejected_sample)
-        ORDER BY p.pair, r.passed DESC""")
+    return run_select(lambda: rt.store.dpo_pairs(rt.campaign, iteration, selection_sql(cfg), cfg.max_examples))
 
 
 @dataclass

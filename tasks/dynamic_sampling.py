@@ -64,9 +64,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
         open_slots[str(env_of[problem_id])] += int(not useful)
     start = sum(signal.values())
 
-    curated = rt.store.query(
-        """SELECT problem_id, env, prompt FROM problems
-           WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0""", [rt.campaign, iteration])
+    curated = rt.store.curated_problems(rt.campaign, iteration)
     taken = set(curated["problem_id"])
     chosen = NgramIndex(n=3)
     for row in curated.itertuples(index=False):
@@ -148,10 +146,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
 
 def stored_refills(rt: Runtime, iteration: int) -> int:
     """How many refill rows (``refill_round >= 1``) of ``iteration`` the store holds, problems and rollouts."""
-    return int(rt.store.scalar(
-        """SELECT (SELECT count(*) FROM problems WHERE campaign = $1 AND iteration = $2 AND refill_round >= 1)
-                + (SELECT count(*) FROM rollouts WHERE campaign = $1 AND iteration = $2 AND refill_round >= 1)""",
-        [rt.campaign, iteration]))
+    return rt.store.refill_row_count(rt.campaign, iteration)
 
 
 def drop_refills(rt: Runtime, iteration: int) -> None:

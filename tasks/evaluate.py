@@ -170,9 +170,7 @@ def split_of(problem: Problem) -> str:
 
 def stage_metrics(rt: Runtime, iteration: int, stage: str) -> dict[str, Any]:
     """The recorded metrics of ``stage`` for ``iteration`` ({} when it has not completed)."""
-    raw = rt.store.scalar("SELECT metrics FROM stage_runs WHERE campaign = ? AND iteration = ? AND stage = ? "
-                          "AND status = 'completed'", [rt.campaign, iteration, stage])
-    return json.loads(raw) if raw else {}
+    return rt.store.stage_metrics(rt.campaign, iteration, stage)
 
 
 def skip_reason(rt: Runtime, iteration: int) -> str | None:
@@ -188,8 +186,7 @@ def skip_reason(rt: Runtime, iteration: int) -> str | None:
 
 
 def challenger_of(rt: Runtime, iteration: int) -> int:
-    frame = rt.store.query("SELECT version FROM model_versions WHERE campaign = ? AND iteration = ?",
-                           [rt.campaign, iteration])
+    frame = rt.store.iteration_versions(rt.campaign, iteration)
     if frame.empty:
         raise StoreError(f"iteration {iteration} has no challenger: run the update stage first")
     return int(frame["version"].iloc[0])
@@ -197,11 +194,8 @@ def challenger_of(rt: Runtime, iteration: int) -> int:
 
 def champion_of(rt: Runtime, iteration: int) -> int:
     """The champion that iteration ``iteration`` is judged against (stable when a stage is rerun)."""
-    decided = rt.store.query("SELECT champion_version FROM promotions WHERE campaign = ? AND iteration = ?",
-                             [rt.campaign, iteration])
-    if not decided.empty:
-        return int(decided["champion_version"].iloc[0])
-    return rt.champion_version()
+    decided = rt.store.decided_champion(rt.campaign, iteration)
+    return rt.champion_version() if decided is None else decided
 
 
 def _attempts(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], samples: int,
@@ -244,12 +238,7 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
     wanted = config.eval.samples + 1
     keys = {p.id: generation_key(rt, p) for p in problems}
     splits = {p.id: split_of(p) for p in problems}
-    earlier = rt.store.query(
-        """SELECT * FROM evals WHERE campaign = ? AND model_version = ? AND iteration <> ? AND sample < ?
-           AND problem_id IN (SELECT unnest(?::VARCHAR[])) AND gen_key IN (SELECT unnest(?::VARCHAR[]))
-           QUALIFY row_number() OVER (PARTITION BY problem_id, sample, gen_key ORDER BY iteration DESC) = 1""",
-        [rt.campaign, version, iteration, wanted, list(keys), sorted(set(keys.values()))],
-    )
+    earlier = rt.store.reusable_evals(rt.campaign, version, iteration, wanted, list(keys), sorted(set(keys.values())))
     # only answers generated the same way as now (same limits, dtype, prompt, decoding) are reused
     earlier = earlier[earlier["problem_id"].map(keys).eq(earlier["gen_key"])]
     complete = earlier.groupby("problem_id")["sample"].nunique()
@@ -354,11 +343,7 @@ def zero_skipped(rt: Runtime, iteration: int) -> dict[str, str]:
     guards = {spec.name for spec in rt.config.environments if spec.weight == 0}
     if window <= 1 or not guards:
         return {}
-    frame = rt.store.query(
-        """SELECT env, iteration, max(reward) AS best, count(DISTINCT model_version) AS versions FROM evals
-           WHERE campaign = ? AND coalesce(split, 'gate') = 'gate' AND sample = 0 AND iteration < ?
-           GROUP BY env, iteration QUALIFY row_number() OVER (PARTITION BY env ORDER BY iteration DESC) = 1""",
-        [rt.campaign, iteration])
+    frame = rt.store.last_gate_per_env(rt.campaign, iteration)
     return {row.env: f"champion and challenger both scored 0 at iteration {row.iteration}; "
                      f"rechecked at iteration {row.iteration + window}"
             for row in frame.itertuples(index=False)

@@ -92,13 +92,7 @@ def ahead(challenger_pass1: float, champion_pass1: float, per_env: dict[str, Any
 
 def _consecutive_failures(rt: Runtime, iteration: int) -> int:
     """Refused gates in a row before ``iteration`` that count toward a reset (see :func:`ahead`)."""
-    earlier = rt.store.query(
-        """SELECT p.promoted, p.reset_trainee, p.challenger_pass1, p.champion_pass1, p.per_env,
-                  coalesce(a.decision IN ('rejected', 'timeout'), false) AS refused_by_person
-           FROM promotions p LEFT JOIN approvals a ON a.campaign = p.campaign AND a.iteration = p.iteration
-           WHERE p.campaign = ? AND p.iteration < ? ORDER BY p.iteration DESC""",
-        [rt.campaign, iteration],
-    )
+    earlier = rt.store.gate_history(rt.campaign, iteration)
     count = 0
     for row in earlier.itertuples(index=False):
         if row.promoted or row.reset_trainee:
@@ -148,9 +142,7 @@ def _sealed(rt: Runtime, iteration: int, champion: int) -> dict[str, Any]:
     """Measure the base model (once) and the new champion on the sealed splits, after the decision."""
     if not rt.config.eval.sealed_problems and not any(s.sealed_problems for s in rt.config.environments):
         return {}
-    base = int(rt.store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'",
-                               [rt.campaign]))
-    return evaluate_sealed(rt, iteration, [base, champion])
+    return evaluate_sealed(rt, iteration, [rt.base_version(), champion])
 
 
 def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
@@ -160,11 +152,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         # nothing was judged: no decision row, so a skipped gate never counts as a failed one
         return {"skipped": evaluated["skipped"], "promoted": 0.0, "points_gained": 0.0}
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
-    evals = rt.store.query(
-        """SELECT problem_id, env, model_version, reward FROM evals WHERE campaign = ? AND iteration = ?
-           AND sample = 0 AND coalesce(split, 'gate') = 'gate'""",
-        [rt.campaign, iteration],
-    )
+    evals = rt.store.gate_answers(rt.campaign, iteration)
     if evals.empty or challenger not in set(evals["model_version"]):
         raise RuntimeError(f"iteration {iteration} has no evaluation of v{challenger}: run evaluate first")
     scores = evals.pivot_table(index=["problem_id", "env"], columns="model_version", values="reward").reset_index()
@@ -202,21 +190,16 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         decision["reason"] += f"; trainee reset to champion v{new_champion} after {failures} failed gates"
     elif not decision["promoted"] and not counted:
         decision["reason"] += "; the challenger was ahead, so the trainee trains on (no reset)"
-    rt.store.replace("promotions", {"campaign": rt.campaign, "iteration": iteration}, [{
-        "campaign": rt.campaign, "iteration": iteration, "challenger_version": challenger,
-        "champion_version": champion, "promoted": decision["promoted"],
+    rt.store.record_decision(rt.campaign, iteration, {
+        "challenger_version": challenger, "champion_version": champion, "promoted": decision["promoted"],
         "challenger_pass1": challenger_pass1, "champion_pass1": champion_pass1,
         "p_better": decision["p_better"], "gain_low": decision["gain_low"], "gain_high": decision["gain_high"],
         "per_env": to_json(decision["per_env"]), "reason": decision["reason"], "reset_trainee": reset,
         "decided_at": now(),
-    }])
-    # the decision is on record before any alias moves: a crash here reruns this stage with the same
-    # champion (champion_of reads the record) and reaches the same decision
-    if decision["promoted"]:
-        rt.tracker.set_alias("champion", challenger)
-        rt.tracker.set_alias("previous_champion", champion)
-    if reset:
-        rt.store.set_campaign_state(rt.campaign, trainee_version=new_champion)
+    }, trainee=new_champion if reset else None)
+    # the decision (and a reset trainee) is on record, in one transaction, before any alias moves: a crash here
+    # reruns this stage with the same champion (champion_of reads the record), and the projection repairs MLflow
+    rt.tracker.project_lineage(rt.store, rt.campaign)
     run_id = rt.tracker.run_id(iteration)
     rt.tracker.set_tags(run_id, {
         "promotion.promoted": decision["promoted"], "promotion.reason": decision["reason"],
@@ -225,9 +208,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
     sealed = _sealed(rt, iteration, new_champion) if decision["promoted"] else {}
     _publish_artifacts(rt, iteration, decision, challenger, champion)
     _log_figure(rt, iteration, run_id)
-    spent = float(rt.store.scalar(
-        """SELECT coalesce(sum(json_extract(metrics, '$.dollars')::DOUBLE), 0) FROM stage_runs
-           WHERE campaign = ? AND iteration = ? AND stage <> 'promote'""", [rt.campaign, iteration]))
+    spent = rt.store.iteration_dollars(rt.campaign, iteration, excluding="promote")
     points = 100 * decision["gain"] if decision["promoted"] else 0.0
     return {"promoted": float(decision["promoted"]), "gain": decision["gain"], "p_better": decision["p_better"],
             "iteration_dollars": spent, "points_gained": points, "points_per_dollar": points / spent if spent else 0.0,
@@ -251,11 +232,8 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
                          "(retention.keep_challengers): it cannot be restored")
     if target == current:
         raise StoreError(f"v{target} is already the champion of campaign {rt.campaign!r}")
-    rt.store.append("rollbacks", [{"campaign": rt.campaign, "rolled_back_at": now(), "from_version": current,
-                                   "to_version": target, "reason": reason}])
-    rt.tracker.set_alias("champion", target)
-    rt.tracker.set_alias("previous_champion", current)
-    rt.store.set_campaign_state(rt.campaign, trainee_version=target)
+    rt.store.record_rollback(rt.campaign, current, target, reason)
+    rt.tracker.project_lineage(rt.store, rt.campaign)
     return {"campaign": rt.campaign, "champion": target, "previous_champion": current, "trainee": target}
 
 

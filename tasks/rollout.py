@@ -80,12 +80,7 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
 def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
     config = rt.config
     # the curated problems (those dynamic sampling drew in the score stage are the score stage's own)
-    problems = rt.store.query(
-        """SELECT problem_id, env, prompt, payload, messages FROM problems
-           WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0
-           ORDER BY env, problem_id""",
-        [rt.campaign, iteration],
-    )
+    problems = rt.store.curated_problems(rt.campaign, iteration)
     if problems.empty:
         raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
     version = rollout_version(rt, iteration, default=rt.trainee_version)
@@ -113,10 +108,8 @@ def rollout_version(rt: Runtime, iteration: int, default: Callable[[], int]) -> 
     moved on since (the update's rerun would then find every rollout too stale and train nothing); dynamic
     sampling's refill draws use it too, so every group of the batch comes from one policy.
     """
-    earlier = rt.store.scalar(
-        """SELECT min(policy_version) FROM rollouts
-           WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0""", [rt.campaign, iteration])
-    return default() if earlier is None or earlier != earlier else int(earlier)
+    earlier = rt.store.first_policy_version(rt.campaign, iteration)
+    return default() if earlier is None else earlier
 
 
 @task(name="rollout", cache_policy=NO_CACHE)

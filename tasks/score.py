@@ -30,13 +30,7 @@ from evertrain.tasks.base import progress, run_stage
 
 
 def score(rt: Runtime, iteration: int) -> dict[str, Any]:
-    frame = rt.store.query(
-        """SELECT r.problem_id, r.sample, r.env, r.completion, r.finish_reason, p.prompt, p.payload
-           FROM rollouts r JOIN problems p USING (campaign, iteration, problem_id)
-           WHERE r.campaign = ? AND r.iteration = ? AND coalesce(r.refill_round, 0) = 0
-           ORDER BY r.problem_id, r.sample""",
-        [rt.campaign, iteration],
-    )
+    frame = rt.store.rollouts_to_score(rt.campaign, iteration)
     if frame.empty:
         raise RuntimeError(f"iteration {iteration} has no rollouts: run the rollout stage first")
     items = [

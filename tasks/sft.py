@@ -53,18 +53,7 @@ STAGE = "sft"
 def select(rt: Runtime, iteration: int) -> Any:
     """The selected rollouts (token ids and loss masks), one per group first, at most ``max_examples``."""
     cfg = rt.config.sft
-    return run_select(rt, iteration, cfg.select, lambda chosen: f"""
-        WITH chosen AS ({chosen}),
-        picked AS (
-            SELECT r.iteration, r.problem_id, r.sample, r.env, r.prompt_ids, r.completion_ids, r.loss_mask,
-                   p.messages,
-                   row_number() OVER (PARTITION BY r.iteration, r.problem_id ORDER BY r.sample) AS rank_in_group
-            FROM rollouts r JOIN chosen c
-              ON r.iteration = c.iteration AND r.problem_id = c.problem_id AND r.sample = c.sample
-            LEFT JOIN problems p
-              ON p.campaign = r.campaign AND p.iteration = r.iteration AND p.problem_id = r.problem_id
-            WHERE r.campaign = $campaign)
-        SELECT * FROM picked ORDER BY rank_in_group, iteration, problem_id, sample LIMIT {int(cfg.max_examples)}""")
+    return run_select(lambda: rt.store.sft_rollouts(rt.campaign, iteration, cfg.select, cfg.max_examples))
 
 
 def bare_chat(messages: list[dict[str, str]]) -> list[dict[str, str]]:

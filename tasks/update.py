@@ -62,7 +62,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig, UpdateConfig
-from evertrain.data.store import now
 from evertrain.models.grpo import (
     Group,
     LogProbs,
@@ -128,13 +127,7 @@ def gather_groups(rt: Runtime, iteration: int, start: int) -> tuple[list[Group],
     """Trainable groups with advantages, within the staleness bound, and what was left out and why."""
     cfg = rt.config.update
     first = iteration - cfg.max_staleness if cfg.replay else iteration
-    frame = rt.store.query(
-        """SELECT iteration, problem_id, sample, env, policy_version, prompt_ids, completion_ids, logprobs,
-                  loss_mask, finish_reason, reward, temperature, top_p
-           FROM rollouts WHERE campaign = ? AND iteration BETWEEN ? AND ?
-           ORDER BY iteration, problem_id, sample""",
-        [rt.campaign, max(first, 0), iteration],
-    )
+    frame = rt.store.rollouts_for_update(rt.campaign, max(first, 0), iteration)
     current = frame[frame["iteration"] == iteration]
     if current.empty:
         raise RuntimeError(f"iteration {iteration} has no rollouts: run the rollout stage first")
@@ -248,8 +241,7 @@ def _drop_registration(rt: Runtime, iteration: int, start_version: int) -> None:
     dropped = [v for v in rt.tracker.versions_of(iteration) if v not in protected]
     for old_version in dropped:
         rt.tracker.delete_version(old_version)
-    with rt.store.transaction() as con:
-        con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [rt.campaign, iteration])
+    rt.store.drop_iteration_versions(rt.campaign, iteration)
     if rt.trainee_version() in dropped:
         rt.store.set_campaign_state(rt.campaign, trainee_version=start_version)
 
@@ -356,8 +348,8 @@ def dropout_settings(model: Any) -> list[str]:
 
 def _reference_checkpoint(rt: Runtime) -> Path:
     """The KL penalty's reference: the champion or the base model (``update.kl_reference``)."""
-    anchor_version = rt.champion_version() if rt.config.update.kl_reference == "champion" else int(rt.store.scalar(
-        "SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'", [rt.campaign]))
+    anchor_version = rt.champion_version() if rt.config.update.kl_reference == "champion" else \
+        rt.base_version()
     return rt.checkpoint(anchor_version)
 
 
@@ -491,13 +483,9 @@ def _register(rt: Runtime, iteration: int, path: Path, start_version: int) -> in
             rt.tracker.delete_version(old_version)
     version = rt.tracker.register(path, rt.tracker.run_id(iteration), iteration)
     rt.tracker.set_alias("challenger", version)
-    with rt.store.transaction() as con:
-        con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [rt.campaign, iteration])
-    rt.store.replace("model_versions", {"campaign": rt.campaign, "version": version}, [{
-        "campaign": rt.campaign, "version": version, "iteration": iteration, "kind": rt.config.update.finetune,
-        "path": rt.stored_path(path), "parent_version": start_version, "created_at": now(),
-    }])
-    rt.store.set_campaign_state(rt.campaign, trainee_version=version)
+    # one store transaction: the version (replacing an earlier run's) and the trainee
+    rt.store.record_version(rt.campaign, version, iteration, rt.config.update.finetune, rt.stored_path(path),
+                            start_version)
     return version
 
 

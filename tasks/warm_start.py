@@ -6,7 +6,6 @@ One module below all three, so that none of them imports another (the layering t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ SFT_STAGE = "sft"
 
 def start_version_of(rt: Runtime, iteration: int) -> int:
     """The trainee this update starts from: the current one, or, on a rerun, the one the first run used."""
-    earlier = rt.store.query("SELECT parent_version FROM model_versions WHERE campaign = ? AND iteration = ?",
-                             [rt.campaign, iteration])
+    earlier = rt.store.iteration_versions(rt.campaign, iteration)
     if not earlier.empty and earlier["parent_version"].notna().all():
         return int(earlier["parent_version"].iloc[0])
     return rt.trainee_version()
@@ -39,14 +37,10 @@ def checkpoint_for(rt: Runtime, iteration: int) -> Path | None:
     return path if path.is_dir() else None
 
 
-def run_select(rt: Runtime, iteration: int, chosen: str, build: Callable[[str], str]) -> Any:
-    """Run ``build(chosen)``, the SQL that wraps the selection SQL ``chosen``, with ``$campaign`` (and
-    ``$iteration`` where ``chosen`` uses it) bound; a failure names the ``sft.select`` setting."""
-    params = {name: value for name, value in (("campaign", rt.campaign), ("iteration", iteration))
-              if re.search(rf"\${name}\b", chosen)}
-    params["campaign"] = rt.campaign
+def run_select(read: Callable[[], Any]) -> Any:
+    """Run ``read``, a store query around the ``sft.select`` SQL; a failure names that setting."""
     try:
-        return rt.store.query(build(chosen), params)  # type: ignore[arg-type]  # DuckDB binds named parameters too
+        return read()
     except Exception as error:
         raise ValueError(f"sft.select failed: {error}") from error
 

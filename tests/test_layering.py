@@ -10,11 +10,15 @@ are read here from the source with ``ast``, function-local imports included:
   those below it.
 - nothing imports the CLI (it is the outermost shell).
 - no import cycles between modules.
+- no SQL outside the store: only ``evertrain/data/`` holds SQL statements (string literals that begin with
+  SELECT, INSERT INTO, UPDATE .. SET, DELETE FROM, CREATE, ALTER, DROP or WITH .. AS), except the modules
+  in :data:`SQL_ALLOWED` (SQL that is a task's content, not the store's) and :data:`SQL_PENDING`.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +29,22 @@ LAYERS = ("evertrain.flows", "evertrain.tasks", "evertrain.models", "evertrain.e
 CLI = "evertrain.cli"
 # the docs generator renders the CLI reference from the parser itself: reading the CLI is its job
 CLI_READERS = {"evertrain.docs_reference"}
+
+
+# the store's package: the one place that speaks SQL to the store (named queries, migrations)
+SQL_HOME = "evertrain.data"
+# SQL that is a task's content, not the store's: the SQL environment's problems, and the sql tool of the tool
+# environments (each builds a scratch table and runs the model's query on it; evertrain/sandbox/sql_worker.py,
+# which runs them, holds no statement of its own)
+SQL_ALLOWED = {"evertrain.envs.sql", "evertrain.envs.tools"}
+# owned by the serving/flywheel helpers (issue 25) while their branches are open; the lead moves their SQL into
+# evertrain/data when merging, and then empties this set (serving/traces.py holds the traces' SQL for now)
+SQL_PENDING = {"evertrain.serving.traces", "evertrain.serving.app", "evertrain.serving.trace_source",
+               "evertrain.flows.campaign"}
+SQL_STATEMENT = re.compile(
+    r"\A[\s(]*(?:SELECT\s|INSERT\s+INTO\s|UPDATE\s+\S+\s+SET\s|DELETE\s+FROM\s|"
+    r"CREATE\s+(?:OR\s+REPLACE\s+)?(?:TEMP\w*\s+)?(?:TABLE|VIEW|INDEX|UNIQUE|DATABASE|SCHEMA|SEQUENCE|MACRO)\b|"
+    r"ALTER\s+TABLE\s|DROP\s+(?:TABLE|VIEW|INDEX|DATABASE|SCHEMA)\b|WITH\s+(?:RECURSIVE\s+)?\w+\s+AS\s*\()")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -131,6 +151,82 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     if len(component) > 1:
                         components.append(sorted(component))
     return components
+
+
+def _literal_text(node: ast.AST) -> str | None:
+    """The text of a string literal, an f-string's placeholders read as ``x`` (so ``f"UPDATE {t} SET"`` is
+    seen as ``UPDATE x SET``); None for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(part.value if isinstance(part, ast.Constant) else "x" for part in node.values)
+    return None
+
+
+def sql_statements(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
+    """(line, first words) of every string literal in ``source`` that is an SQL statement."""
+    found = []
+    inside_fstring: set[int] = set()
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.JoinedStr):
+            inside_fstring.update(id(part) for part in node.values)
+        if id(node) in inside_fstring:
+            continue  # a piece of an f-string: the whole f-string is what is read
+        text = _literal_text(node)
+        if text is not None and SQL_STATEMENT.match(text):
+            found.append((node.lineno, " ".join(text.split())[:60]))
+    return found
+
+
+def sql_outside_the_store(root: Path, allowed: set[str] = SQL_ALLOWED | SQL_PENDING) -> list[str]:
+    """Every SQL statement in a library module outside the store's package, as 'module:line: SQL'."""
+    broken = []
+    for name, path in sorted(modules(root).items()):
+        if name == SQL_HOME or name.startswith(SQL_HOME + ".") or name in allowed:
+            continue
+        broken += [f"{name}:{line}: {text}" for line, text in sql_statements(path.read_text(), str(path))]
+    return broken
+
+
+def test_no_sql_outside_the_store() -> None:
+    """Only evertrain/data speaks SQL: a stage asks the store a named question (store.rollouts_for_update(...))."""
+    found = sql_outside_the_store(ROOT)
+    assert found == [], "SQL outside evertrain/data (add a named query to evertrain/data/queries.py):\n" + \
+        "\n".join(found)
+
+
+def test_the_sql_allow_list_names_real_modules() -> None:
+    """An allow-listed module that was renamed or emptied of SQL must leave the list (it would hide new SQL)."""
+    found = modules(ROOT)
+    assert set(found) >= SQL_ALLOWED | SQL_PENDING
+    stale = [name for name in SQL_ALLOWED | SQL_PENDING if not sql_statements(found[name].read_text())]
+    assert stale == [], f"allow-listed modules without SQL: {stale}"
+
+
+def test_sql_outside_the_store_fails_the_check(tmp_path: Path) -> None:
+    """The SQL check catches SQL in a library module (a test of the test: it can fail), and only SQL."""
+    assert sql_statements('q = "SELECT 1 FROM t"') == [(1, "SELECT 1 FROM t")]
+    root = _tree(tmp_path, {
+        "tasks/score.py": 'def f(store):\n    return store.query(\n        """\n'
+                          '        SELECT * FROM rollouts"""\n    )\n',
+        "evertrain/report.py": 'def g(store, t):\n    store.con.execute(f"UPDATE {t} SET x = 1")\n',
+        "models/policy.py": 'X = ("WITH w AS (SELECT 1) "\n     "SELECT * FROM w")\n',
+        "flows/deploy.py": 'Y = "DELETE FROM stage_runs WHERE campaign = ?"\nZ = "CREATE TABLE t (a INT)"\n',
+        "evertrain/data/queries.py": 'Q = "SELECT * FROM rollouts"\n',  # the store's own: fine
+        "evertrain/envs/sql.py": 'Q = "SELECT * FROM employees"\n',  # a task's content: allowed
+        # prose that names SQL is not SQL: a help text, a message, a docstring
+        "evertrain/cli.py": 'H = \'e.g. "SELECT iteration FROM rollouts"\'\n'
+                            'M = "(`evertrain sql \\"SELECT *\\"` lists)"\n'
+                            '"""Select the rows: SELECT is spelled out in prose here."""\n',
+    })
+    found = sql_outside_the_store(root)
+    assert any(v.startswith("evertrain.tasks.score:3: SELECT * FROM rollouts") for v in found), found
+    assert any(v.startswith("evertrain.report:2: UPDATE x SET x = 1") for v in found), found
+    assert any(v.startswith("evertrain.models.policy:1: WITH w AS") for v in found), found
+    assert any(v.startswith("evertrain.flows.deploy:1: DELETE FROM") for v in found), found
+    assert any(v.startswith("evertrain.flows.deploy:2: CREATE TABLE") for v in found), found
+    assert not any(v.startswith(("evertrain.data", "evertrain.envs.sql", "evertrain.cli")) for v in found), found
+    assert len(found) == 5, found
 
 
 def test_the_layering_holds() -> None:

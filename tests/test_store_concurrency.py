@@ -198,7 +198,8 @@ def test_a_column_the_schema_gained_is_added_to_an_existing_store(tmp_path, kind
     store = Store(uri)
     store.replace("evals", {"campaign": "c"},
                   [{"campaign": "c", "iteration": 0, "model_version": 1, "problem_id": "p", "sample": 0}])
-    store.con.execute("ALTER TABLE evals DROP COLUMN reason")  # a store made before the column existed
+    store.con.execute("ALTER TABLE evals DROP COLUMN reason")  # a store made before the column existed,
+    store.con.execute("UPDATE schema_info SET version = 1")  # at schema version 1 (before migrations)
     store.close()
     store = Store(uri)
     frame = store.query("SELECT problem_id, reason FROM evals")

@@ -42,188 +42,29 @@ import duckdb
 import pandas as pd
 
 from evertrain import faults
+from evertrain.data import schema
+from evertrain.data.queries import Queries
 
 DEFAULT_STORE = "ducklake:sqlite:data/evertrain.sqlite"
 LAKE = "lake"  # the name the DuckLake catalog is attached as (and made the default database)
-
-SCHEMA_VERSION = 1
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_info (version INTEGER);
-
-CREATE TABLE IF NOT EXISTS problems (
-    campaign VARCHAR, iteration INTEGER, problem_id VARCHAR,
-    env VARCHAR, split VARCHAR, prompt VARCHAR, payload JSON, messages JSON,
-    created_at TIMESTAMPTZ,
-    refill_round INTEGER,  -- 0 (or NULL): curated; k >= 1: drawn by dynamic sampling's k-th refill round (score)
-    PRIMARY KEY (campaign, iteration, problem_id)
-);
-
-CREATE TABLE IF NOT EXISTS rollouts (
-    campaign VARCHAR, iteration INTEGER, problem_id VARCHAR, sample INTEGER,
-    env VARCHAR, policy_version INTEGER,
-    prompt_text VARCHAR, completion VARCHAR,
-    prompt_ids INTEGER[], completion_ids INTEGER[], logprobs FLOAT[],
-    loss_mask UTINYINT[], turns JSON, finish_reason VARCHAR,
-    prompt_tokens INTEGER, completion_tokens INTEGER, tool_calls INTEGER, tool_errors INTEGER, rework INTEGER,
-    generated_at TIMESTAMPTZ,
-    reward DOUBLE, passed BOOLEAN, reason VARCHAR, detail JSON, scored_at TIMESTAMPTZ,
-    temperature DOUBLE, top_p DOUBLE,  -- what the behaviour log-probs were sampled with (replays use them)
-    refill_round INTEGER,  -- 0 (or NULL): sampled by the rollout stage; k >= 1: dynamic sampling's k-th refill round
-    PRIMARY KEY (campaign, iteration, problem_id, sample)
-);
-
-CREATE TABLE IF NOT EXISTS evals (
-    campaign VARCHAR, iteration INTEGER, model_version INTEGER, role VARCHAR,
-    problem_id VARCHAR, sample INTEGER, env VARCHAR,
-    completion VARCHAR, completion_tokens INTEGER, turns JSON, tool_calls INTEGER, tool_errors INTEGER,
-    rework INTEGER, reward DOUBLE, passed BOOLEAN, reason VARCHAR, reused_from INTEGER,
-    created_at TIMESTAMPTZ,
-    split VARCHAR,     -- gate (what promotion compares), test or transfer (sealed: never seen by the gate)
-    gen_key VARCHAR,   -- hash of how the answer was generated: rows are reused only when it matches
-    PRIMARY KEY (campaign, iteration, model_version, problem_id, sample)
-);
-
-CREATE TABLE IF NOT EXISTS promotions (
-    campaign VARCHAR, iteration INTEGER,
-    challenger_version INTEGER, champion_version INTEGER, promoted BOOLEAN,
-    challenger_pass1 DOUBLE, champion_pass1 DOUBLE, p_better DOUBLE, gain_low DOUBLE, gain_high DOUBLE,
-    per_env JSON, reason VARCHAR, reset_trainee BOOLEAN, decided_at TIMESTAMPTZ,
-    PRIMARY KEY (campaign, iteration)
-);
-
-CREATE TABLE IF NOT EXISTS stage_runs (
-    campaign VARCHAR, iteration INTEGER, stage VARCHAR, status VARCHAR,
-    started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ, wall_s DOUBLE, cpu_s DOUBLE,
-    metrics JSON, flow_run_id VARCHAR, error VARCHAR,
-    PRIMARY KEY (campaign, iteration, stage)
-);
-
-CREATE TABLE IF NOT EXISTS model_versions (
-    campaign VARCHAR, version INTEGER, iteration INTEGER, kind VARCHAR,
-    path VARCHAR, parent_version INTEGER, created_at TIMESTAMPTZ,
-    PRIMARY KEY (campaign, version)
-);
-
-CREATE TABLE IF NOT EXISTS campaigns (
-    campaign VARCHAR PRIMARY KEY, config JSON, updated_at TIMESTAMPTZ
-);
-
-CREATE TABLE IF NOT EXISTS campaign_state (
-    campaign VARCHAR PRIMARY KEY, trainee_version INTEGER, updated_at TIMESTAMPTZ
-);
-
-CREATE TABLE IF NOT EXISTS env_validations (
-    env VARCHAR, options JSON, ok BOOLEAN, checked INTEGER, failures JSON, validated_at TIMESTAMPTZ,
-    PRIMARY KEY (env, options)
-);
-
-CREATE TABLE IF NOT EXISTS rollbacks (
-    campaign VARCHAR, rolled_back_at TIMESTAMPTZ, from_version INTEGER, to_version INTEGER, reason VARCHAR,
-    PRIMARY KEY (campaign, rolled_back_at)
-);
-
-CREATE TABLE IF NOT EXISTS mix (    -- the adaptive environment mix: each environment's share, per iteration, and why
-    campaign VARCHAR, iteration INTEGER, env VARCHAR, weight DOUBLE, share DOUBLE, problems INTEGER,
-    groups INTEGER, pass_rate DOUBLE, informative_share DOUBLE, learnability DOUBLE, reason VARCHAR,
-    created_at TIMESTAMPTZ,
-    PRIMARY KEY (campaign, iteration, env)
-);
-
-CREATE TABLE IF NOT EXISTS sft_examples (    -- the rollouts the optional sft stage trained on (sft.select)
-    campaign VARCHAR, iteration INTEGER, source_iteration INTEGER, problem_id VARCHAR, sample INTEGER, env VARCHAR,
-    pair INTEGER, role VARCHAR,  -- sft.method = 'dpo': the pair's number and 'chosen' or 'rejected' (sft: NULL)
-    PRIMARY KEY (campaign, iteration, source_iteration, problem_id, sample)
-);
-
-CREATE TABLE IF NOT EXISTS sandbox_runs (
-    run_id VARCHAR PRIMARY KEY, campaign VARCHAR, iteration INTEGER, purpose VARCHAR,
-    code_sha256 VARCHAR, limits JSON, exit_code INTEGER, signal INTEGER,
-    wall_s DOUBLE, cpu_s DOUBLE, peak_rss_kb BIGINT, stdout_bytes BIGINT, stderr_bytes BIGINT,
-    limit_hit VARCHAR, started_at TIMESTAMPTZ
-);
-
-CREATE TABLE IF NOT EXISTS approvals (    -- a person's answer to a promotion the gate passed (promotion.approval)
-    campaign VARCHAR, iteration INTEGER, challenger_version INTEGER, champion_version INTEGER,
-    decision VARCHAR,  -- pending, approved, rejected or timeout (no answer within promotion.approval_timeout_s)
-    reviewer VARCHAR, reason VARCHAR, requested_at TIMESTAMPTZ, decided_at TIMESTAMPTZ, waited_s DOUBLE,
-    flow_run_id VARCHAR, evidence VARCHAR,  -- the Markdown the reviewer was shown
-    PRIMARY KEY (campaign, iteration)
-);
-
--- the endpoint's requests (evertrain.serving), redacted before they are stored; written in batches. No key: a
--- trace id is a fresh random id, so a batch is a plain insert (no delete scan of the growing table per batch)
-CREATE TABLE IF NOT EXISTS traces (
-    trace_id VARCHAR, campaign VARCHAR, model_version INTEGER, model VARCHAR,
-    env VARCHAR, problem_id VARCHAR, problem JSON,  -- the task, when the client named one (extra body 'evertrain')
-    request JSON, response JSON, tool_calls JSON, tools VARCHAR,  -- tools: the tool names used, comma-separated
-    status VARCHAR, http_status INTEGER, error VARCHAR, finish_reason VARCHAR,
-    latency_ms DOUBLE, prompt_tokens INTEGER, cached_tokens INTEGER, completion_tokens INTEGER, cost_usd DOUBLE,
-    created_at TIMESTAMPTZ
-);
-
--- outcomes of traces: the environment's verifier (when the client named the task) or the client (POST /feedback)
-CREATE TABLE IF NOT EXISTS trace_feedback (
-    trace_id VARCHAR, campaign VARCHAR, source VARCHAR, passed BOOLEAN, reward DOUBLE, detail JSON,
-    created_at TIMESTAMPTZ
-);
-
-CREATE TABLE IF NOT EXISTS curriculum (    -- each environment's difficulty level per iteration, and why it moved
-    campaign VARCHAR, iteration INTEGER, env VARCHAR, level INTEGER, max_level INTEGER, previous_level INTEGER,
-    groups INTEGER, pass_rate DOUBLE, action VARCHAR, reason VARCHAR, created_at TIMESTAMPTZ,
-    PRIMARY KEY (campaign, iteration, env)
-);
-
-CREATE TABLE IF NOT EXISTS broad_sealed (    -- the broad sealed set: drawn once per campaign across all levels
-    campaign VARCHAR, problem_id VARCHAR, env VARCHAR, level INTEGER, source VARCHAR,
-    prompt VARCHAR, payload JSON, created_at TIMESTAMPTZ,
-    PRIMARY KEY (campaign, problem_id)
-);
-"""
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
           "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples",
           "approvals", "traces", "trace_feedback", "curriculum", "broad_sealed")
 
-
-def _keys_from_schema(schema: str) -> dict[str, tuple[str, ...]]:
-    """Each table's key columns, read from its PRIMARY KEY clause (one source of truth for both backends)."""
-    keys: dict[str, tuple[str, ...]] = {}
-    schema = re.sub(r"--[^\n]*", "", schema)  # comments may hold parentheses
-    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", schema, re.S):
-        if found := re.search(r"PRIMARY KEY \(([^)]*)\)", body):
-            keys[table] = tuple(c.strip() for c in found.group(1).split(","))
-        elif found := re.search(r"(\w+) \w+ PRIMARY KEY", body):
-            keys[table] = (found.group(1),)
-    return keys
+SCHEMA_VERSION = schema.LATEST
+SCHEMA = schema.ddl()  # the latest tables' DDL, for reading (the store is made by evertrain.data.schema.migrate)
+# each table's key columns: DuckLake has no primary keys, so the code keeps them (every insert deletes its keys first)
+KEYS = {name: table.key for name, table in schema.tables().items() if table.key}
 
 
-def _columns_from_schema(schema: str) -> dict[str, list[tuple[str, str]]]:
-    """Each table's (column, type) pairs, in order."""
+def _columns_from_schema(ddl: str) -> dict[str, list[tuple[str, str]]]:
+    """Each table's (column, type) pairs read back from rendered DDL (an independent check for the docs test)."""
     columns: dict[str, list[tuple[str, str]]] = {}
-    schema = re.sub(r"--[^\n]*", "", schema)
-    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", schema, re.S):
-        body = re.sub(r",\s*PRIMARY KEY \([^)]*\)", "", body).replace(" PRIMARY KEY", "")
+    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", ddl, re.S):
+        body = re.sub(r",\s*PRIMARY KEY \([^)]*\)", "", body)
         columns[table] = [tuple(part.split(None, 1)) for part in (p.strip() for p in body.split(",")) if part]
     return columns
-
-
-def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
-    """Columns the schema gained since a store was created are added to it (NULL in older rows)."""
-    have: dict[str, set[str]] = {}
-    for table, column in con.execute("SELECT table_name, column_name FROM information_schema.columns "
-                                     "WHERE table_catalog = current_database()").fetchall():
-        have.setdefault(table, set()).add(column)
-    for table, columns in _columns_from_schema(SCHEMA).items():
-        for column, kind in columns:
-            if table in have and column not in have[table]:
-                con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-
-
-KEYS = _keys_from_schema(SCHEMA)
-# DuckLake refuses PRIMARY KEY/UNIQUE constraints: the same tables without them (keys kept by the code)
-LAKE_SCHEMA = re.sub(r" PRIMARY KEY", "", re.sub(r",\s*PRIMARY KEY \([^)]*\)", "",
-                                                 re.sub(r"--[^\n]*", "", SCHEMA)))
 
 
 class StoreError(RuntimeError):
@@ -379,7 +220,7 @@ def _retryable(error: Exception) -> bool:
     return any(s in text for s in ("conflict", "database is locked", "could not serialize", "deadlock"))
 
 
-class Store:
+class Store(Queries):
     """The store of one deployment. Use one writable instance per process (see :func:`open_store`)."""
 
     def __init__(self, path: str | Path, read_only: bool = False) -> None:
@@ -391,6 +232,7 @@ class Store:
         self._lock = threading.RLock()
         self._claims: dict[str, Any] = {}
         self._writes = 0
+        self.migrated: list[int] = []  # the schema versions this open applied (evertrain.data.schema)
         if self.lake:
             self._open_lake()
         else:
@@ -414,10 +256,7 @@ class Store:
         except duckdb.Error as error:
             raise StoreError(f"{self.path} is not a usable DuckDB store: {error}") from None
         if not self.read_only:
-            self.con.execute(SCHEMA)
-            _add_missing_columns(self.con)
-            if not self.con.execute("SELECT count(*) FROM schema_info").fetchone()[0]:
-                self.con.execute("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
+            self._migrate()
 
     def _open_lake(self) -> None:
         try:
@@ -426,20 +265,23 @@ class Store:
             raise
         except duckdb.Error as error:
             raise StoreError(f"cannot open store {self.location.describe()}: {error}") from None
-        if self.read_only:
-            return
+        if not self.read_only:
+            self._migrate()
 
-        def create(con: duckdb.DuckDBPyConnection) -> None:
-            con.execute(LAKE_SCHEMA)
-            _add_missing_columns(con)
-            # DuckLake's data inlining (small writes kept in the catalog) is left off on purpose: measured here
-            # it halved a one-row commit (0.17 s against 0.37 s), but with three concurrent writers replacing
-            # their own rows, rows came back duplicated (900 rows for 750 keys; tests/test_store_concurrency.py)
-            if not con.execute("SELECT count(*) FROM schema_info").fetchone()[0]:
-                con.execute("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
-
-        # two processes creating a new store at once race on CREATE TABLE: the loser retries and finds it done
-        self._write(create, faults_point=None)
+    def _migrate(self) -> None:
+        """Bring the store's schema up to date (evertrain.data.schema), in one transaction: two processes
+        opening an old or new store at once race on it, and the loser's retry finds the store current."""
+        # DuckLake's data inlining (small writes kept in the catalog) is left off on purpose: measured here it
+        # halved a one-row commit (0.17 s against 0.37 s), but with three concurrent writers replacing their own
+        # rows, rows came back duplicated (900 rows for 750 keys; tests/test_store_concurrency.py)
+        try:
+            self.migrated = self._write(lambda con: schema.migrate(con, self.lake, now), faults_point=None)
+        except schema.SchemaTooNew as error:
+            self.con.close()
+            raise StoreError(
+                f"store {self.location.describe()} has schema version {error.found}, newer than this evertrain "
+                f"knows (version {error.known}): it was written by a newer evertrain; upgrade evertrain to open it "
+                "(readers opened read-only are not refused)") from None
 
     def close(self) -> None:
         for handle in self._claims.values():
@@ -448,7 +290,7 @@ class Store:
         self.con.close()
 
     # --- reading -------------------------------------------------------------------------------
-    def query(self, sql: str, params: list[Any] | None = None) -> pd.DataFrame:
+    def query(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
         """Run SQL and return the whole result as a frame (results must be fetched before the next call)."""
         with self._lock:
             return self._retry_read(lambda: self.con.execute(sql, params or []).df())
@@ -461,7 +303,7 @@ class Store:
         except duckdb.Error:
             return []
 
-    def scalar(self, sql: str, params: list[Any] | None = None) -> Any:
+    def scalar(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> Any:
         with self._lock:
             row = self._retry_read(lambda: self.con.execute(sql, params or []).fetchone())
         return None if row is None else row[0]
@@ -592,6 +434,47 @@ class Store:
 
         self._write(body)
         return len(rollout_frame)
+
+    # --- lineage: one transaction per event (MLflow's aliases are projected from these: tracking.py) ----------
+    def record_version(self, campaign: str, version: int, iteration: int, kind: str, path: str,
+                       parent: int | None, replaces_iteration: bool = True) -> None:
+        """``version`` registered for ``iteration`` and made the trainee, in one transaction (replacing the
+        versions an earlier run of the iteration registered, unless ``replaces_iteration`` is False)."""
+        row = pd.DataFrame([{"campaign": campaign, "version": version, "iteration": iteration, "kind": kind,
+                             "path": path, "parent_version": parent, "created_at": now()}])
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            if replaces_iteration:
+                con.execute("DELETE FROM model_versions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
+            _insert(con, "model_versions", row, KEYS["model_versions"])
+            _set_trainee(con, campaign, version)
+
+        self._write(body)
+
+    def record_decision(self, campaign: str, iteration: int, decision: Mapping[str, Any],
+                        trainee: int | None = None) -> None:
+        """The gate's decision for ``iteration`` (a ``promotions`` row, replacing a rerun's) and, when the
+        trainee is reset, the new trainee, in one transaction."""
+        row = pd.DataFrame([{**decision, "campaign": campaign, "iteration": iteration}])
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            con.execute("DELETE FROM promotions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
+            _insert(con, "promotions", row, ())
+            if trainee is not None:
+                _set_trainee(con, campaign, trainee)
+
+        self._write(body)
+
+    def record_rollback(self, campaign: str, from_version: int, to_version: int, reason: str) -> None:
+        """A rollback of the champion to ``to_version``, which becomes the trainee too, in one transaction."""
+        row = pd.DataFrame([{"campaign": campaign, "rolled_back_at": now(), "from_version": from_version,
+                             "to_version": to_version, "reason": reason}])
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            _insert(con, "rollbacks", row, KEYS["rollbacks"])
+            _set_trainee(con, campaign, to_version)
+
+        self._write(body)
 
     # --- one writer per campaign ------------------------------------------------------------------
     def claim(self, campaign: str) -> None:
@@ -756,6 +639,12 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, frame: pd.DataFrame, key
         con.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM _incoming")
     finally:
         con.unregister("_incoming")
+
+
+def _set_trainee(con: duckdb.DuckDBPyConnection, campaign: str, version: int) -> None:
+    """Make ``version`` the campaign's trainee (inside the caller's transaction)."""
+    _insert(con, "campaign_state", pd.DataFrame([{"campaign": campaign, "trainee_version": version,
+                                                  "updated_at": now()}]), KEYS["campaign_state"])
 
 
 def _rollback(con: duckdb.DuckDBPyConnection) -> None:
