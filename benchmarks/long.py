@@ -16,6 +16,11 @@ the problem's level and source (:func:`evertrain.stats.bootstrap_means`).
 
     .venv/bin/python benchmarks/long.py --store ducklake:sqlite:/path/evertrain.sqlite --campaign long
 
+The loop ships its champion, and the broad set sees only champions; with ``--measure-trainee
+configs/long.toml`` (after the campaign has stopped) the last trainee, promoted or not, is measured on it too
+by the campaign's own evaluation code, and its gain over the champion of ``--from-iteration`` is reported
+beside (nothing is written to the store).
+
 Writes benchmarks/results/long.json (with the command and machine) and long.png (``--results-name``: another
 name). The store is opened read-only, so it may be read while the campaign writes.
 """
@@ -85,13 +90,14 @@ def late_gain(scores: pd.DataFrame, before: int | None, after: int | None, split
     paired = part.pivot_table(index="problem_id", columns="model_version", values="reward", aggfunc="first")
     if before not in paired or after not in paired:
         return None
-    paired = paired[[before, after]].dropna()
+    paired = paired[list(dict.fromkeys([before, after]))].dropna()  # one column when no champion followed
     if paired.empty:
         return None
     strata = part.drop_duplicates("problem_id").set_index("problem_id").reindex(paired.index)
     labels = (strata["source"].fillna("-").astype(str) + ":" + strata["level"].fillna(-1).astype(int).astype(str))
     diff = (paired[after] - paired[before]).to_numpy(dtype=float)
-    means = bootstrap_means(diff, labels.to_numpy(), samples, seed)
+    # the same champion at both ends: the gain is exactly 0 (no bootstrap over a constant)
+    means = bootstrap_means(diff, labels.to_numpy(), samples, seed) if diff.any() else np.zeros(1)
     return {"split": split, "before_version": before, "after_version": after, "problems": len(diff),
             "before_pass1": float(paired[before].mean()), "after_pass1": float(paired[after].mean()),
             "gain": float(diff.mean()), "gain_low": float(np.quantile(means, 0.025)),
@@ -107,6 +113,32 @@ def by_level(scores: pd.DataFrame, version: int | None) -> dict[str, float]:
         key = f"{group['env'].iloc[0]}:{'level ' + str(int(level)) if source == 'level' else source}"
         out[key] = float(group["reward"].mean())
     return out
+
+
+def measure_trainee(config_path: str, sets: list[str], campaign: str) -> tuple[int, pd.DataFrame]:
+    """The campaign's last trainee (what the loop trained last, promoted or not) answering the broad sealed set,
+    greedily, by the campaign's own evaluation code (tasks/evaluate.py), after the campaign has stopped: the
+    store is opened for writing, and nothing is written to it. Its version and its rows."""
+    from evertrain.config import load_config
+    from evertrain.curriculum import broad_problems
+    from evertrain.runtime import get_runtime
+    from evertrain.tasks.evaluate import evaluate_version
+
+    config = load_config(config_path, sets)
+    if config.name != campaign:
+        config = config.model_copy(update={"name": campaign})
+    rt = get_runtime(config)
+    state = rt.store.campaign_state(rt.campaign) or {}
+    version = state.get("trainee_version")
+    if version is None:
+        raise SystemExit(f"campaign {campaign!r} has no trainee recorded")
+    problems = broad_problems(rt)
+    last = int(rt.store.scalar("SELECT max(iteration) FROM stage_runs WHERE campaign = ?", [rt.campaign]))
+    rows, _ = evaluate_version(rt, int(version), problems, last, "sealed")
+    frame = pd.DataFrame(rows)
+    frame = frame[frame["sample"] == 0][["model_version", "env", "problem_id", "reward"]]
+    levels = rt.store.query("SELECT problem_id, level, source FROM broad_sealed WHERE campaign = ?", [rt.campaign])
+    return int(version), frame.merge(levels, on="problem_id").assign(split="broad")
 
 
 def curve(store: Any, campaign: str) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[int, int | None]]:
@@ -159,7 +191,8 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
         if any(y is not None for y in ys):
             ax.step(x, [np.nan if y is None else y for y in ys], where="post", marker="o", ms=3, label=label)
     ax.set_ylabel("champion pass@1 (greedy)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax = axes[0][1]
     envs = sorted({env for r in rows for env in r["levels"]})
     for env in envs:
@@ -196,12 +229,24 @@ def main() -> None:
                         help="the late gain is measured from the champion in effect after this iteration")
     parser.add_argument("--results-name", default="long")
     parser.add_argument("--results-dir", default=None, help="where to write (default: benchmarks/results)")
+    parser.add_argument("--measure-trainee", metavar="CONFIG", default=None,
+                        help="also measure the last trainee (promoted or not) on the broad sealed set, with the "
+                        "campaign's config (after the campaign has stopped; paths from --set or the environment)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --measure-trainee: config overrides, as `evertrain run --set`")
     args = parser.parse_args()
     if not args.store:
         parser.error("--store is required (or set EVERTRAIN_STORE)")
     from benchmarks.common import RESULTS, machine, save
     from evertrain.data.store import Store
 
+    trainee = None
+    if args.measure_trainee:  # before the read-only store is opened: the runtime opens it for writing
+        os.environ["EVERTRAIN_STORE"] = args.store
+        trainee, trainee_rows = measure_trainee(args.measure_trainee, args.set, args.campaign)
+        from evertrain.runtime import release_runtimes
+
+        release_runtimes()  # the writable connection closed before a reader opens the same files
     store = Store(args.store, read_only=True)
     rows, scores, held = curve(store, args.campaign)
     last = rows[-1]["iteration"]
@@ -212,6 +257,12 @@ def main() -> None:
     base = store.scalar("SELECT min(version) FROM model_versions WHERE campaign = ? AND kind = 'base'",
                         [args.campaign])
     from_base = late_gain(scores, None if base is None else int(base), after, "broad")
+    if trainee is not None:
+        theirs = trainee_rows.assign(model_version=-trainee)  # apart from the same version's stored rows
+        scores = pd.concat([scores, theirs], ignore_index=True)
+        gains["trainee_broad"] = late_gain(scores, before, -trainee, "broad")
+        if gains["trainee_broad"]:
+            gains["trainee_broad"]["after_version"] = trainee
     refusals = store.records("SELECT iteration, reason FROM promotions WHERE campaign = ? AND NOT promoted "
                              "ORDER BY iteration", [args.campaign])
     payload = {
