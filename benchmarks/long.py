@@ -157,6 +157,14 @@ def curve(store: Any, campaign: str) -> tuple[list[dict[str, Any]], pd.DataFrame
     for row in levels_over_iterations(store, campaign):
         levels.setdefault(int(row["iteration"]), {})[row["env"]] = int(row["level"])
     diverse = {r["iteration"]: r for r in diversity(store, campaign)}
+    # why a group carries no signal: every sample failed, or every sample passed
+    groups = store.query(
+        """SELECT iteration, avg(mean) AS mean_reward, avg((hi = 0)::INTEGER) AS all_failed_share,
+                  avg((lo > 0 AND lo = hi)::INTEGER) AS all_passed_share
+           FROM (SELECT iteration, problem_id, avg(reward) AS mean, min(reward) AS lo, max(reward) AS hi
+                 FROM rollouts WHERE campaign = ? AND reward IS NOT NULL GROUP BY iteration, problem_id)
+           GROUP BY iteration""", [campaign])
+    outcome = {int(r.iteration): r for r in groups.itertuples(index=False)}
     promoted = dict(store.query("SELECT iteration, promoted FROM promotions WHERE campaign = ?",
                                 [campaign]).itertuples(index=False))
     rows, cpu, wall = [], 0.0, 0.0
@@ -164,7 +172,7 @@ def curve(store: Any, campaign: str) -> tuple[list[dict[str, Any]], pd.DataFrame
         it = int(r.iteration)
         cpu += float(r.cpu_s)
         wall += float(r.wall_s)
-        d = diverse.get(it, {})
+        d, o = diverse.get(it, {}), outcome.get(it)
         rows.append({"iteration": it, "completed": bool(r.done), "cpu_minutes": cpu / 60,
                      "wall_minutes": wall / 60, "champion_version": held[it],
                      "promoted": None if it not in promoted else bool(promoted[it]),
@@ -172,7 +180,10 @@ def curve(store: Any, campaign: str) -> tuple[list[dict[str, Any]], pd.DataFrame
                      "test_pass1": pass1(scores, held[it], "test"),
                      "transfer_pass1": pass1(scores, held[it], "transfer"),
                      "levels": levels.get(it, {}), "informative_share": d.get("informative_share"),
-                     "distinct_completions": d.get("distinct_completions"), "token_entropy": d.get("token_entropy")})
+                     "distinct_completions": d.get("distinct_completions"), "token_entropy": d.get("token_entropy"),
+                     "mean_reward": None if o is None else float(o.mean_reward),
+                     "all_failed_share": None if o is None else float(o.all_failed_share),
+                     "all_passed_share": None if o is None else float(o.all_passed_share)})
     return rows, scores, held
 
 
@@ -285,7 +296,9 @@ def main() -> None:
     for r in rows:
         print(f"i={r['iteration']:>2} cpu {r['cpu_minutes']:6.1f} min  champion v{r['champion_version']}  broad "
               f"{_f(r['broad_pass1'])}  test {_f(r['test_pass1'])}  transfer {_f(r['transfer_pass1'])}  levels "
-              f"{r['levels']}  informative {_f(r['informative_share'])}  distinct {_f(r['distinct_completions'])}")
+              f"{r['levels']}  reward {_f(r['mean_reward'])}  informative {_f(r['informative_share'])} (all failed "
+              f"{_f(r['all_failed_share'])}, all passed {_f(r['all_passed_share'])})  distinct "
+              f"{_f(r['distinct_completions'])}")
     g = gains["broad"]
     if g:
         print(f"late gain (broad sealed, champion after iteration {args.from_iteration} v{before} -> v{after}): "
