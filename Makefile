@@ -6,9 +6,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_ITERATIONS ?= 6
-# pytest-xdist workers (one test file each at a time); 0, the default, runs the suite in one process. On the
-# 2-core development machine 2 workers took 22 min, one process 25-30 min (see README, Tests).
-TEST_WORKERS ?= 0
+# pytest-xdist workers, one test file each at a time (--dist loadfile: a file's module fixtures, its campaign
+# among them, are built once); TEST_WORKERS=0 runs the suite in one process. Two, one per core: the tests run
+# torch on one thread each (tests/conftest.py), so two workers no longer fight over the cores (see
+# docs/benchmarks/tests.md).
+TEST_WORKERS ?= 2
 
 export PREFECT_HOME := $(CURDIR)/.prefect
 export DO_NOT_TRACK := 1

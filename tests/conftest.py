@@ -64,9 +64,22 @@ def _mlflow_template() -> Path | None:
     return _MLFLOW_TEMPLATE[0]
 
 
+# One torch thread for the tests' campaigns unless a test asks for more: for a model this small the second
+# thread's synchronisation costs more than it computes (measured: a smoke iteration took 36 CPU-seconds with
+# two threads on two cores, 23-25 with one), and under `make test TEST_WORKERS=2` the other core runs the
+# other worker. Written into the config, so `evertrain run` subprocesses of a test follow it too.
+# EVERTRAIN_TEST_TORCH_THREADS=0 gives the campaigns the library's default (every core), to compare.
+TEST_TORCH_THREADS = int(os.environ.get("EVERTRAIN_TEST_TORCH_THREADS", "1")) or None
+if TEST_TORCH_THREADS:  # the tests that drive torch themselves (losses, TRL, the policy) run as the campaigns do
+    import torch
+
+    torch.set_num_threads(TEST_TORCH_THREADS)
+
+
 def smoke_config_in(directory: Path, models_dir: Path, **overrides: object) -> CampaignConfig:
     """configs/smoke.toml with every path moved under ``directory`` (and its MLflow database created)."""
     config = load_config(ROOT / "configs" / "smoke.toml")
+    overrides.setdefault("torch_threads", TEST_TORCH_THREADS)
     data = config.model_dump()
     data["model"]["models_dir"] = str(models_dir)
     data["paths"] = {
@@ -110,3 +123,17 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+# The longest files first (durations of the fresh-clone runs in docs/benchmarks/tests.md): with pytest-xdist's
+# --dist loadfile each worker takes the next file as it frees up, so a long file collected last (they are
+# collected alphabetically) would run alone on one core at the end while the other core idles.
+LONGEST_FIRST = ("test_crash_safety.py", "test_deployments.py", "test_servers.py", "test_approval.py",
+                 "test_vllm.py", "test_ray.py", "test_campaign_flow.py", "test_vllm_backend.py", "test_endpoint.py",
+                 "test_store_concurrency.py", "test_portable.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: the files keep their tests together and in order, the others keep theirs
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
