@@ -26,11 +26,8 @@ COMPACT_EVERY = 5  # iterations between compactions of the store (measured: benc
 
 def next_iteration(rt: Runtime) -> int:
     """The first iteration with an unfinished stage (0 for a new campaign)."""
-    frame = rt.store.query(
-        """SELECT iteration, count(*) FILTER (WHERE status = 'completed' AND stage IN (SELECT unnest(?))) AS done
-           FROM stage_runs WHERE campaign = ? GROUP BY iteration ORDER BY iteration""",
-        [list(STAGES), rt.campaign],  # only the six stages count: an optional stage (sft) is not one of them
-    )
+    # only the six stages count: an optional stage (sft) is not one of them
+    frame = rt.store.completed_stages(rt.campaign, list(STAGES))
     for row in frame.itertuples(index=False):
         if row.done < len(STAGES):
             return int(row.iteration)

@@ -37,10 +37,7 @@ SQL_HOME = "evertrain.data"
 # environments (each builds a scratch table and runs the model's query on it; evertrain/sandbox/sql_worker.py,
 # which runs them, holds no statement of its own)
 SQL_ALLOWED = {"evertrain.envs.sql", "evertrain.envs.tools"}
-# owned by the serving/flywheel helpers (issue 25) while their branches are open; the lead moves their SQL into
-# evertrain/data when merging, and then empties this set (serving/traces.py holds the traces' SQL for now)
-SQL_PENDING = {"evertrain.serving.traces", "evertrain.serving.app", "evertrain.serving.trace_source",
-               "evertrain.flows.campaign"}
+SQL_PENDING: set[str] = set()  # modules whose SQL is being moved into evertrain/data (none now)
 SQL_STATEMENT = re.compile(
     r"\A[\s(]*(?:SELECT\s|INSERT\s+INTO\s|UPDATE\s+\S+\s+SET\s|DELETE\s+FROM\s|"
     r"CREATE\s+(?:OR\s+REPLACE\s+)?(?:TEMP\w*\s+)?(?:TABLE|VIEW|INDEX|UNIQUE|DATABASE|SCHEMA|SEQUENCE|MACRO)\b|"

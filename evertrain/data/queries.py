@@ -39,6 +39,16 @@ _CHAMPION_EVENTS = """
     FROM promotions WHERE campaign = $campaign
     UNION ALL SELECT rolled_back_at, to_version, from_version FROM rollbacks WHERE campaign = $campaign"""
 
+# the outcome of each trace: the verifier's when there is one (it graded the real task), else the client's latest
+_TRACE_OUTCOMES = """
+    SELECT t.trace_id, t.campaign, t.model_version, t.env, coalesce(t.tools, '') AS tools, t.created_at,
+           t.problem, t.status, o.passed, o.reward, o.source
+    FROM traces t JOIN (
+        SELECT trace_id, passed, reward, source, row_number() OVER (
+            PARTITION BY trace_id ORDER BY (source = 'verifier') DESC, created_at DESC) AS pick
+        FROM trace_feedback) o ON o.trace_id = t.trace_id AND o.pick = 1
+    WHERE t.campaign = ?"""
+
 _GATE = "coalesce(split, 'gate') = 'gate'"  # rows stored before the split column existed are the gate's
 
 
@@ -457,3 +467,46 @@ class Queries:
         """The broad sealed set, by environment and level: problem_id, env, prompt, payload."""
         return self.query("SELECT problem_id, env, prompt, payload FROM broad_sealed WHERE campaign = ? "
                           "ORDER BY env, level NULLS LAST, source, problem_id", [campaign])
+
+    # -- traces (the endpoint's requests) and their outcomes -------------------------------------------------
+
+    def stored_problem(self, campaign: str, env: str, problem_id: str) -> dict[str, Any] | None:
+        """A curated problem's prompt and payload (JSON text) by id, None when the campaign has no such problem."""
+        rows = self.records("SELECT prompt, payload FROM problems WHERE campaign = ? AND env = ? AND problem_id = ? "
+                            "LIMIT 1", [campaign, env, problem_id])
+        return rows[0] if rows else None
+
+    def trace_outcome_counts(self, campaign: str, bucket_seconds: int | None = None) -> pd.DataFrame:
+        """Requests with an outcome and how many passed, per environment ('(none)' for no named task), tools and
+        model version (and per ``bucket_seconds`` time bucket, its start in ``bucket``): env, tools,
+        model_version, [bucket,] requests, passed."""
+        bucket = ""
+        if bucket_seconds:
+            seconds = max(1, int(bucket_seconds))
+            bucket = f"to_timestamp(floor(epoch(created_at) / {seconds}) * {seconds}) AS bucket, "
+        return self.query(f"""SELECT coalesce(env, '(none)') AS env, tools, model_version, {bucket}
+                                     count(*) AS requests, sum(passed::INTEGER) AS passed
+                              FROM ({_TRACE_OUTCOMES}) GROUP BY ALL ORDER BY ALL""", [campaign])
+
+    def trace_outcome_span(self, campaign: str) -> tuple[Any, Any]:
+        """The first and last creation time of the traces with an outcome ((None, None) when there are none)."""
+        rows = self.records(f"SELECT min(created_at) AS first, max(created_at) AS last FROM ({_TRACE_OUTCOMES})",
+                            [campaign])
+        return (rows[0]["first"], rows[0]["last"]) if rows else (None, None)
+
+    def verifiable_traces(self, campaign: str, since: Any) -> pd.DataFrame:
+        """Answered traces since ``since`` that name a task and have an outcome (the verifier's first, else the
+        client's latest), failures first, newest first: trace_id, env, problem, model_version, created_at,
+        passed, source."""
+        return self.query(f"""SELECT trace_id, env, problem, model_version, created_at, passed, source
+                               FROM ({_TRACE_OUTCOMES}) WHERE env IS NOT NULL AND problem IS NOT NULL
+                                 AND status = 'ok' AND created_at >= ?
+                               ORDER BY passed, created_at DESC, trace_id""", [campaign, since])
+
+    # -- the flow -------------------------------------------------------------------------------------------
+
+    def completed_stages(self, campaign: str, stages: list[str]) -> pd.DataFrame:
+        """Per iteration that has stage runs, how many of ``stages`` completed: iteration, done."""
+        return self.query(
+            """SELECT iteration, count(*) FILTER (WHERE status = 'completed' AND stage IN (SELECT unnest(?))) AS done
+               FROM stage_runs WHERE campaign = ? GROUP BY iteration ORDER BY iteration""", [stages, campaign])

@@ -463,13 +463,12 @@ class Endpoint:
         return env, problem
 
     def _stored_problem(self, env: str, problem_id: str) -> dict[str, Any]:
-        frame = self.store.query("SELECT prompt, payload FROM problems WHERE campaign = ? AND env = ? "
-                                 "AND problem_id = ? LIMIT 1", [self.config.name, env, problem_id])
-        if frame.empty:
+        row = self.store.stored_problem(self.config.name, env, problem_id)
+        if row is None:
             raise ApiError(400, f"no {env} problem with id {problem_id!r} in campaign {self.config.name!r}",
                            code="unknown_problem", param="evertrain.problem_id")
-        payload = json.loads(frame["payload"].iloc[0])
-        return {"prompt": frame["prompt"].iloc[0], "question": frame["prompt"].iloc[0], **payload}
+        payload = json.loads(row["payload"])
+        return {"prompt": row["prompt"], "question": row["prompt"], **payload}
 
     def _tools(self, body: dict[str, Any], env: Environment | None, draft: Draft) -> list[str]:
         """The tools whose calls are parsed from this request's answer (declared ones, else the named task's)."""

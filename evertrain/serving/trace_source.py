@@ -27,17 +27,6 @@ from evertrain.data.store import now
 from evertrain.envs.base import SEALED_SPLITS, Problem
 from evertrain.runtime import Runtime
 
-VERIFIABLE_SQL = """
-    SELECT t.trace_id, t.env, t.problem, t.model_version, t.created_at, o.passed, o.source
-    FROM traces t JOIN (
-        SELECT trace_id, passed, source, row_number() OVER (
-            PARTITION BY trace_id ORDER BY (source = 'verifier') DESC, created_at DESC) AS pick
-        FROM trace_feedback WHERE campaign = ?) o ON o.trace_id = t.trace_id AND o.pick = 1
-    WHERE t.campaign = ? AND t.env IS NOT NULL AND t.problem IS NOT NULL AND t.status = 'ok'
-      AND t.created_at >= ?
-    ORDER BY o.passed, t.created_at DESC, t.trace_id
-"""
-
 
 def _normal(prompt: str) -> str:
     return " ".join(prompt.lower().split())
@@ -74,7 +63,7 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
     if limit <= 0:
         return []
     since = now() - timedelta(hours=serving.trace_window_hours)
-    frame = rt.store.query(VERIFIABLE_SQL, [rt.campaign, rt.campaign, since])
+    frame = rt.store.verifiable_traces(rt.campaign, since)
     held_ids, held_index = held_out
     held_prompts = _held_prompts(rt.config.model_dump_json())
     campaign_envs = {spec.name for spec in rt.config.environments}

@@ -147,30 +147,11 @@ def feedback_row(trace_id: str, campaign: str, source: str, passed: bool, reward
             "reward": None if reward is None else float(reward), "detail": to_json(detail), "created_at": now()}
 
 
-# The outcome of a trace: the verifier's when there is one (it graded the real task), else the client's latest.
-OUTCOMES_SQL = """
-    SELECT t.trace_id, t.campaign, t.model_version, t.env, coalesce(t.tools, '') AS tools, t.created_at,
-           o.passed, o.reward, o.source
-    FROM traces t JOIN (
-        SELECT trace_id, passed, reward, source, row_number() OVER (
-            PARTITION BY trace_id ORDER BY (source = 'verifier') DESC, created_at DESC) AS pick
-        FROM trace_feedback) o ON o.trace_id = t.trace_id AND o.pick = 1
-    WHERE t.campaign = ?
-"""
-
-
 def live_pass_rates(store: Store, campaign: str, bucket_minutes: float | None = None) -> pd.DataFrame:
     """Pass rate of the served model per environment, tool and model version (and per time bucket of
     ``bucket_minutes`` when given), from the traces that have an outcome. Columns: env, tools,
     model_version, [bucket,] requests, passed, pass_rate, low, high (a 95% Wilson interval)."""
-    bucket = ""
-    if bucket_minutes:
-        seconds = max(1, round(bucket_minutes * 60))
-        bucket = f"to_timestamp(floor(epoch(created_at) / {seconds}) * {seconds}) AS bucket, "
-    frame = store.query(
-        f"""SELECT coalesce(env, '(none)') AS env, tools, model_version, {bucket}
-                   count(*) AS requests, sum(passed::INTEGER) AS passed
-            FROM ({OUTCOMES_SQL}) GROUP BY ALL ORDER BY ALL""", [campaign])
+    frame = store.trace_outcome_counts(campaign, max(1, round(bucket_minutes * 60)) if bucket_minutes else None)
     if frame.empty:
         return frame.assign(pass_rate=[], low=[], high=[])
     rates = [wilson(int(p), int(n)) for p, n in zip(frame["passed"], frame["requests"], strict=True)]
@@ -184,10 +165,10 @@ def live_pass_rate_series(store: Store, campaign: str, points: int = 24) -> pd.D
     """:func:`live_pass_rates` over time: the span from the first to the last trace with an outcome cut into
     about ``points`` equal buckets (at least one second each), so the series reads alike over an afternoon's
     demo and a month of traffic. Columns as :func:`live_pass_rates`, with ``bucket`` (the bucket's start)."""
-    span = store.query(f"SELECT min(created_at) AS first, max(created_at) AS last FROM ({OUTCOMES_SQL})", [campaign])
-    if span.empty or pd.isna(span["first"].iloc[0]):
+    first, last = store.trace_outcome_span(campaign)
+    if first is None or pd.isna(first):
         return live_pass_rates(store, campaign).assign(bucket=[])
-    seconds = (pd.Timestamp(span["last"].iloc[0]) - pd.Timestamp(span["first"].iloc[0])).total_seconds()
+    seconds = (pd.Timestamp(last) - pd.Timestamp(first)).total_seconds()
     width = max(1, int(seconds / max(points, 1)) + 1)
     return live_pass_rates(store, campaign, bucket_minutes=width / 60)
 
