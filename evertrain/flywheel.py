@@ -296,7 +296,6 @@ def train_first_champion(config: CampaignConfig, iterations: int, workdir: Path,
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from evertrain.approval import ApprovalError, answer, paused_promotions
     from evertrain.flows.deploy import start_server
 
     config = load_config(args.config, args.set).resolved()
@@ -315,9 +314,19 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{what} {json.dumps(extra) if extra else ''} (t={event['t_s']} s, cpu={event['cpu_s']} s)")
         return event
 
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     url, prefect = start_server(args.prefect_port, scheduler_seconds=5)
-    os.environ["PREFECT_API_URL"] = url
+    os.environ["PREFECT_API_URL"] = url  # the subprocesses'; this process's settings are already loaded
     mark("prefect server up", url=url.removesuffix("/api"))
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        return _run_demo(args, config, state, log_path, began, cpu0, events, mark, prefect)
+
+
+def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log_path: Path, began: float,
+              cpu0: float, events: list[dict[str, Any]], mark: Any, prefect: subprocess.Popen) -> dict[str, Any]:
+    from evertrain.approval import ApprovalError, answer, paused_promotions
+
     runner = server = traffic = None
     result: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, "-m", "evertrain.flywheel",
                                                      *sys.argv[1:]]), "machine": machine(), "events": events}
@@ -408,6 +417,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                       gate=gate_decisions(store, config.name), wall_minutes=round((time.time() - began) / 60, 1),
                       cpu_minutes=round((tree_cpu_seconds() - cpu0) / 60, 1), config=args.config,
                       settings={k: v for k, v in vars(args).items() if k not in ("command", "func")})
+        return result
+    except Exception as error:  # what was measured so far is still written, with what broke
+        import traceback
+
+        result["error"] = "".join(traceback.format_exception(error))[-3000:]
+        log(f"the demo failed: {type(error).__name__}: {error}")
         return result
     finally:
         if traffic is not None:
