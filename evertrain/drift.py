@@ -82,6 +82,20 @@ def live_window(store: Store, campaign: str, window_minutes: float, threshold: f
     return readings
 
 
+def campaign_run_name() -> str:
+    """The name of a campaign flow run: the campaign's, except that a run the monitor started keeps the name that
+    says why (``drift: calculator[calc] 0.04 < 0.50``) for the Prefect UI, instead of being renamed when it starts."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    run = context.flow_run if context is not None else None
+    if run is not None and DRIFT_TAG in (run.tags or []) and run.name:
+        return run.name
+    config = (context.parameters or {}).get("config") if context is not None else None
+    name = config.get("name") if isinstance(config, dict) else getattr(config, "name", None)
+    return str(name or "campaign")
+
+
 def deployment_name(config: CampaignConfig) -> str:
     """The deployment a drop runs: ``drift.deployment``, else the campaign's own (flows/deploy.py)."""
     return config.drift.deployment or f"evertrain-campaign/campaign-{config.name}"

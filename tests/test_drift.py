@@ -154,3 +154,29 @@ def test_the_monitor_is_a_deployment_on_an_interval_beside_the_campaign(monitore
     assert [s.schedule.interval.total_seconds() for s in deployment.schedules] == [45.0]
     assert deployment.parameters["config"]["drift"]["threshold"] == 0.5
     assert "drift" in deployment.tags and f"campaign:{config.name}" in deployment.tags
+
+
+def test_a_campaign_run_the_monitor_started_keeps_its_reason_as_its_name(prefect_server):
+    """Prefect renames a flow run after its flow's flow_run_name when the run starts; a drift run keeps the reason."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+
+    from evertrain.drift import campaign_run_name
+
+    @flow(name="named-like-the-campaign", flow_run_name=campaign_run_name)
+    def named(config: dict) -> str:
+        from prefect.runtime import flow_run
+
+        return flow_run.name
+
+    with get_client(sync_client=True) as client:
+        drift_run = client.create_flow_run(named, name="drift: calculator[calc] 0.04 < 0.50",
+                                           parameters={"config": {"name": "c1"}}, tags=[DRIFT_TAG])
+        plain_run = client.create_flow_run(named, name="any-name", parameters={"config": {"name": "c1"}})
+    assert run_flow(named, flow_run=drift_run, parameters={"config": {"name": "c1"}}) == \
+        "drift: calculator[calc] 0.04 < 0.50"
+    assert run_flow(named, flow_run=plain_run, parameters={"config": {"name": "c1"}}) == "c1"
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(drift_run.id).name == "drift: calculator[calc] 0.04 < 0.50"
+        assert client.read_flow_run(plain_run.id).name == "c1"
