@@ -32,7 +32,7 @@ def served(tmp_path_factory, models_dir):
     root = tmp_path_factory.mktemp("flywheel")
     assert teach(models_dir / "tiny-llama", root / "taught", EPISODE) < 0.005
     config = smoke_config_in(
-        root, models_dir, name="wheel", environments=[{"name": "calculator", "weight": 1, "max_new_tokens": 40}],
+        root, models_dir, name="wheel", environments=[{"name": "calculator", "weight": 1, "max_new_tokens": 80}],
         model={"path": str(root / "taught"), "rollout_dtype": "float32"}, torch_threads=1,
         eval={"problems_per_env": 4, "sealed_problems": 0},
         serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2, "max_prompt_tokens": 2048})
@@ -60,7 +60,7 @@ def test_a_v2_tool_call_is_served_run_at_the_client_and_graded(served):
     task = {"env": "calculator", "problem": {"question": QUESTION, "answer": ANSWER}}
     messages = [{"role": "user", "content": QUESTION}]
     first = client.chat.completions.create(model="wheel", messages=messages, tools=CALC, temperature=0,
-                                           max_tokens=40, extra_body={"evertrain": task})
+                                           max_tokens=80, extra_body={"evertrain": task})
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     call = choice.message.tool_calls[0]
@@ -72,7 +72,7 @@ def test_a_v2_tool_call_is_served_run_at_the_client_and_graded(served):
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "name": "calc", "content": output.output}]
     second = client.chat.completions.create(model="wheel", messages=messages, tools=CALC, temperature=0,
-                                            max_tokens=40, extra_body={"evertrain": task})
+                                            max_tokens=80, extra_body={"evertrain": task})
     assert second.choices[0].message.content.strip() == f"#### {ANSWER}"
     store = server.endpoint.store
     deadline = time.monotonic() + 30
@@ -88,7 +88,7 @@ def test_a_v2_tool_call_is_served_run_at_the_client_and_graded(served):
 
 def test_the_client_simulator_changes_tool_with_no_failed_request(served):
     config, server = served
-    traffic = Traffic(server.url, config.name, clients=2, max_tokens=40, pool_size=20).start()
+    traffic = Traffic(server.url, config.name, clients=2, max_tokens=80, pool_size=20).start()
     try:
         deadline = time.monotonic() + 300
         while traffic.count("before") < 3 and time.monotonic() < deadline:
