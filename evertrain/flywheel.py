@@ -316,6 +316,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    # a Prefect database of the demo's own: runs of an earlier demo (same campaign name) must not count as this one's
+    os.environ["PREFECT_HOME"] = str(state / "prefect")
     url, prefect = start_server(args.prefect_port, scheduler_seconds=5)
     os.environ["PREFECT_API_URL"] = url  # the subprocesses'; this process's settings are already loaded
     mark("prefect server up", url=url.removesuffix("/api"))
@@ -348,7 +350,7 @@ def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log
         trigger = None
         deadline = time.time() + args.max_minutes * 60
         while trigger is None and time.time() < deadline:
-            runs = drift_runs(config.name)
+            runs = [r for r in drift_runs(config.name) if r.created and r.created.timestamp() >= began + change["t_s"]]
             trigger = runs[0] if runs else None
             time.sleep(2)
         if trigger is None:
