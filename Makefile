@@ -19,7 +19,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup vllm demo test docs ui lint bench clean services services-stop
+.PHONY: setup vllm demo test docs ui lint bench clean services services-stop flywheel
 
 setup: $(VENV)/.installed /usr/bin/bwrap /usr/lib/postgresql/15/bin/postgres
 
@@ -85,6 +85,11 @@ ui: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# the drift demo: serve a champion, change its calculator tool, the monitor starts the loop, a scripted approval
+# promotes the challenger, the endpoint swaps (docs/how-to/flywheel.md); writes benchmarks/results/flywheel.json
+flywheel: setup
+	$(BIN)/python -m evertrain.flywheel --config configs/flywheel.toml
 
 bench: setup
 	$(BIN)/python benchmarks/iteration.py

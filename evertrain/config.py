@@ -494,6 +494,37 @@ class ServingConfig(_Strict):
         168.0, gt=0, description="Only traces this recent are turned into training problems.")
 
 
+class DriftConfig(_Strict):
+    """The drift monitor (evertrain.drift): it watches the endpoint's live pass rate and starts training on a drop."""
+
+    enabled: bool = Field(
+        False, description="Serve the drift monitor's deployment beside the campaign's (`evertrain serve`), checking "
+        "every interval_seconds.")
+    threshold: float = Field(
+        0.5, ge=0, le=1, description="A drop: the live pass rate of an environment and tool (of the version served "
+        "last) below this.")
+    confident: bool = Field(
+        True, description="Count a drop only when the pass rate's 95% Wilson interval lies wholly below threshold "
+        "(false: the point estimate below it is enough), so a few unlucky requests start nothing.")
+    window_minutes: float = Field(
+        30.0, gt=0, description="The live pass rate is measured over the traces (with an outcome) of this many "
+        "recent minutes.")
+    min_requests: int = Field(
+        20, ge=1, description="Fewest graded requests of an environment and tool in the window before it is judged.")
+    action: Literal["run", "alert"] = Field(
+        "run", description="'run': start the campaign's deployment (`iterations` iterations) with the reason in the "
+        "flow run's name and tags; 'alert': only record the drop (the monitor's run artifact and logs).")
+    iterations: int = Field(2, ge=1, description="Iterations of the campaign run a drop starts.")
+    cooldown_minutes: float = Field(
+        60.0, ge=0, description="After a drop started a run, no other starts for this long, and none while a "
+        "campaign run of the deployment is scheduled, running or paused (waiting for an approval), so one drop "
+        "starts one run.")
+    interval_seconds: float = Field(60.0, gt=0, description="How often the monitor's deployment checks.")
+    deployment: str | None = Field(
+        None, description="The deployment a drop runs, 'flow/deployment' (default: this campaign's, "
+        "'evertrain-campaign/campaign-<name>').")
+
+
 class PathsConfig(_Strict):
     """Where state lives. Relative paths are resolved against the working directory."""
 
@@ -542,6 +573,7 @@ class CampaignConfig(_Strict):
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     prices: PricesConfig = Field(default_factory=PricesConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores).")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)

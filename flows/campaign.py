@@ -18,6 +18,7 @@ from typing import Any
 from prefect import flow
 
 from evertrain.config import CampaignConfig
+from evertrain.drift import campaign_run_name
 from evertrain.runtime import Runtime, get_runtime
 from evertrain.tasks import STAGE_TASKS, STAGES
 
@@ -60,7 +61,7 @@ def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
     return metrics
 
 
-@flow(name="evertrain-campaign", flow_run_name="{config.name}", log_prints=True)
+@flow(name="evertrain-campaign", flow_run_name=campaign_run_name, log_prints=True)
 def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
     """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
     rt = get_runtime(config)

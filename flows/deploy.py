@@ -94,6 +94,7 @@ def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron:
         raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
     deployments = [build_deployment(c, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
                    for c in configs]
+    deployments += [build_drift_deployment(c) for c in configs if c.drift.enabled]
     prefect_serve(*deployments, limit=len(deployments))
 
 
@@ -123,6 +124,8 @@ def deploy(configs: list[CampaignConfig], *, pool: str, interval: float | None =
     for config in configs:
         deployment = build_deployment(config, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
         ids.append(deployment.apply(work_pool_name=pool))
+        if config.drift.enabled:
+            ids.append(build_drift_deployment(config).apply(work_pool_name=pool))
     return ids
 
 
@@ -146,3 +149,37 @@ def build_endpoint_deployment(config: CampaignConfig, *, host: str | None = None
         tags=["evertrain", "endpoint", f"campaign:{config.name}"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
+
+
+def build_drift_deployment(config: CampaignConfig, interval: float | None = None) -> Any:
+    """The drift monitor of ``config``'s campaign (evertrain.drift) as a deployment checking every
+    ``drift.interval_seconds``: on a drop of the live pass rate it runs the campaign's deployment, with the reason.
+
+    A concurrency limit of one, cancelling a new check while one runs: checks never pile up behind a slow store.
+    """
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    from evertrain.drift import drift_flow
+
+    drift = config.drift
+    return drift_flow.to_deployment(
+        name=f"drift-{config.name}",
+        interval=interval or drift.interval_seconds,
+        parameters={"config": config.resolved().model_dump(mode="json")},
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+        description=f"evertrain drift monitor of campaign {config.name!r}: when an environment's live pass rate "
+                    f"over {drift.window_minutes:g} min falls below {drift.threshold:.2f} (n >= {drift.min_requests}), "
+                    f"runs {drift.iterations} iteration(s) of the campaign.",
+        tags=["evertrain", "drift", f"campaign:{config.name}"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+
+
+def serve_flywheel(config: CampaignConfig, *, monitor_interval: float | None = None) -> None:
+    """Serve the campaign's deployment without a schedule (only the drift monitor starts it) and the drift
+    monitor on its interval, from this process until interrupted (the drift demo, evertrain.flywheel)."""
+    from prefect import serve as prefect_serve
+
+    prefect_serve(build_deployment(config, iterations_per_run=config.drift.iterations),
+                  build_drift_deployment(config, interval=monitor_interval), limit=2)
