@@ -28,23 +28,12 @@ from prefect import flow
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store
-from evertrain.serving.traces import OUTCOMES_SQL, wilson
+from evertrain.serving.traces import wilson
 
 log = logging.getLogger("evertrain.drift")
 
 DRIFT_TAG = "evertrain-drift"  # on every campaign run the monitor starts
 ACTIVE_STATES = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING")
-
-# Graded traces of the window, for each environment and tool only the model version that served it last.
-WINDOW_SQL = f"""
-    WITH o AS ({OUTCOMES_SQL} AND t.created_at >= ?),
-    latest AS (SELECT env, tools, arg_max(model_version, created_at) AS served FROM o GROUP BY env, tools)
-    SELECT coalesce(o.env, '(none)') AS env, o.tools, o.model_version, count(*) AS requests,
-           sum(o.passed::INTEGER) AS passed, max(o.created_at) AS last_at
-    FROM o JOIN latest ON o.env IS NOT DISTINCT FROM latest.env AND o.tools = latest.tools
-    WHERE o.model_version IS NOT DISTINCT FROM latest.served
-    GROUP BY ALL ORDER BY ALL
-"""
 
 
 @dataclass
@@ -69,7 +58,7 @@ def live_window(store: Store, campaign: str, window_minutes: float, threshold: f
                 confident: bool = True, at: datetime | None = None) -> list[Reading]:
     """The live pass rate per environment and tool over the last ``window_minutes`` (before ``at``, default now)."""
     since = (at or datetime.now(UTC)) - timedelta(minutes=window_minutes)
-    frame = store.query(WINDOW_SQL, [campaign, since])
+    frame = store.live_window_counts(campaign, since)
     readings = []
     for row in frame.itertuples(index=False):
         n, k = int(row.requests), int(row.passed)

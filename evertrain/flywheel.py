@@ -251,12 +251,7 @@ def stop_process(process: subprocess.Popen, timeout: float = 60) -> None:
 
 def outcomes(store: Any, campaign: str, trace_ids: list[str]) -> dict[str, bool]:
     """The verifier's outcome of each final answer, from the store."""
-    if not trace_ids:
-        return {}
-    frame = store.query("SELECT trace_id, bool_or(passed) AS passed FROM trace_feedback WHERE campaign = ? AND "
-                        "source = 'verifier' AND trace_id IN (SELECT unnest(?)) GROUP BY trace_id",
-                        [campaign, trace_ids])
-    return dict(zip(frame["trace_id"], frame["passed"].astype(bool), strict=True))
+    return store.verifier_outcomes(campaign, trace_ids)
 
 
 def phase_rate(episodes: list[Episode], graded: dict[str, bool]) -> dict[str, Any]:
@@ -440,7 +435,7 @@ def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log
 def gate_decisions(store: Any, campaign: str) -> list[dict[str, Any]]:
     """Each gate's decision (from the store's promotions table), for the report."""
     try:
-        frame = store.query("SELECT * FROM promotions WHERE campaign = ? ORDER BY iteration", [campaign])
+        frame = store.promotions(campaign).sort_values("iteration")
     except Exception as error:  # an older store without the table: say so rather than fail the report
         return [{"error": str(error)[:200]}]
     keep = [c for c in ("iteration", "challenger_version", "champion_version", "promoted", "challenger_pass1",

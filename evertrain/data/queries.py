@@ -503,6 +503,28 @@ class Queries:
                                  AND status = 'ok' AND created_at >= ?
                                ORDER BY passed, created_at DESC, trace_id""", [campaign, since])
 
+    def live_window_counts(self, campaign: str, since: Any) -> pd.DataFrame:
+        """Graded traces since ``since``, for each environment and tool only the model version that served it
+        last (so a new champion is judged on its own answers): env, tools, model_version, requests, passed,
+        last_at."""
+        return self.query(f"""
+            WITH o AS ({_TRACE_OUTCOMES} AND t.created_at >= ?),
+            latest AS (SELECT env, tools, arg_max(model_version, created_at) AS served FROM o GROUP BY env, tools)
+            SELECT coalesce(o.env, '(none)') AS env, o.tools, o.model_version, count(*) AS requests,
+                   sum(o.passed::INTEGER) AS passed, max(o.created_at) AS last_at
+            FROM o JOIN latest ON o.env IS NOT DISTINCT FROM latest.env AND o.tools = latest.tools
+            WHERE o.model_version IS NOT DISTINCT FROM latest.served
+            GROUP BY ALL ORDER BY ALL""", [campaign, since])
+
+    def verifier_outcomes(self, campaign: str, trace_ids: list[str]) -> dict[str, bool]:
+        """The verifier's outcome of each of ``trace_ids`` that has one."""
+        if not trace_ids:
+            return {}
+        frame = self.query("SELECT trace_id, bool_or(passed) AS passed FROM trace_feedback WHERE campaign = ? AND "
+                           "source = 'verifier' AND trace_id IN (SELECT unnest(?)) GROUP BY trace_id",
+                           [campaign, trace_ids])
+        return dict(zip(frame["trace_id"], frame["passed"].astype(bool), strict=True))
+
     # -- the flow -------------------------------------------------------------------------------------------
 
     def completed_stages(self, campaign: str, stages: list[str]) -> pd.DataFrame:
