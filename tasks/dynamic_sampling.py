@@ -83,15 +83,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
     for round_ in range(1, rounds + 1):
         if not any(open_slots.values()):
             break
-        fresh: list[Problem] = []
-        for env_name, need in open_slots.items():
-            if need <= 0:
-                continue
-            env = rt.env(env_name)
-            # at the iteration's curriculum level, like curate's draw (evertrain.curriculum)
-            candidates = curriculum_candidates(rt, iteration, env, need * config.curation.oversample,
-                                               seed_for(config.seed, iteration, env_name, "refill", round_))
-            fresh += select(rt, iteration, env, candidates, need, taken, chosen, dropped)
+        fresh = _draw(rt, iteration, round_, open_slots, taken, chosen, dropped)
         if not fresh:  # no fresh problem passes curation's rules: another round would draw the same
             break
         draws += 1
@@ -105,13 +97,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
             rt, iteration, pd.DataFrame(new_problems), version, checkpoint, policy, refill_round=round_,
             label="refill")
         by_id = {p.id: p for p in fresh}
-        verdicts, grade_fanout = verify_items(
-            config, rt.env, [(r["env"], by_id[r["problem_id"]], r["completion"]) for r in rows])
-        stamp = now()
-        for row, verdict in zip(rows, verdicts, strict=True):
-            sandbox += [{**run, "campaign": rt.campaign, "iteration": iteration} for run in pop_sandbox_runs(verdict)]
-            row.update(reward=verdict.reward, passed=verdict.passed, reason=verdict.reason,
-                       detail=to_json(verdict.detail), scored_at=stamp)
+        sandbox, grade_fanout = _grade(rt, iteration, rows, by_id, sandbox)
         round_frame = pd.DataFrame([{key: r[key] for key in ("problem_id", "env", "reward", "finish_reason")}
                                     for r in rows])
         for problem_id, useful in group_signal(round_frame, overlong).items():
@@ -142,6 +128,35 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
                         "cached_prompt_tokens": stats.cached_prompt_tokens,
                         "completion_tokens": stats.completion_tokens, "model_s": stats.forward_seconds})
     return metrics
+
+
+def _draw(rt: Runtime, iteration: int, round_: int, open_slots: dict[str, int], taken: set[str],
+          chosen: NgramIndex, dropped: dict[str, int]) -> list[Problem]:
+    """Fresh problems for this round's open slots, per environment, through curation's rules."""
+    config, fresh = rt.config, []
+    for env_name, need in open_slots.items():
+        if need <= 0:
+            continue
+        env = rt.env(env_name)
+        # at the iteration's curriculum level, like curate's draw (evertrain.curriculum)
+        candidates = curriculum_candidates(rt, iteration, env, need * config.curation.oversample,
+                                           seed_for(config.seed, iteration, env_name, "refill", round_))
+        fresh += select(rt, iteration, env, candidates, need, taken, chosen, dropped)
+    return fresh
+
+
+def _grade(rt: Runtime, iteration: int, rows: list[dict[str, Any]], by_id: dict[str, Problem],
+           sandbox: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Grade a round's rows in place (reward, passed, reason, detail, scored_at); return the sandbox audit rows
+    (``sandbox`` and the graders' own) and the graders' fan-out metrics."""
+    verdicts, grade_fanout = verify_items(
+        rt.config, rt.env, [(r["env"], by_id[r["problem_id"]], r["completion"]) for r in rows])
+    stamp = now()
+    for row, verdict in zip(rows, verdicts, strict=True):
+        sandbox += [{**run, "campaign": rt.campaign, "iteration": iteration} for run in pop_sandbox_runs(verdict)]
+        row.update(reward=verdict.reward, passed=verdict.passed, reason=verdict.reason,
+                   detail=to_json(verdict.detail), scored_at=stamp)
+    return sandbox, grade_fanout
 
 
 def stored_refills(rt: Runtime, iteration: int) -> int:

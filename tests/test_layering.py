@@ -262,3 +262,26 @@ def test_a_violating_change_fails(tmp_path: Path) -> None:
     layer_breaks = [v for v in found if not v.startswith("import cycle:")]
     assert not any(v.startswith("evertrain.envs.code") for v in layer_breaks), found
     assert not any(v.startswith("evertrain.tasks.score") for v in found), found
+
+
+MAX_STAGE_FUNCTION_LINES = 80  # a stage's function a reader holds in their head (issue 24)
+
+
+def long_functions(source: str, limit: int = MAX_STAGE_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every function in ``source`` longer than ``limit`` lines, its docstring included."""
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_function_in_the_stages_or_flows_is_over_80_lines() -> None:
+    found = {str(path.relative_to(ROOT)): long_functions(path.read_text())
+             for folder in ("tasks", "flows") for path in sorted((ROOT / folder).glob("*.py"))}
+    assert len(found) >= 10, "the stages were not found"
+    assert {path: fns for path, fns in found.items() if fns} == {}
+
+
+def test_a_long_stage_function_fails_the_check() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(85))
+    assert long_functions(f"def stage() -> None:\n{body}\n") == [("stage", 86)]
+    assert long_functions("def short() -> None:\n    return None\n") == []
