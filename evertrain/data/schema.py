@@ -196,8 +196,8 @@ V1_TABLES: tuple[Table, ...] = (
     ), key=('campaign', 'iteration', 'source_iteration', 'problem_id', 'sample'), columns=(
         Column('campaign', 'VARCHAR'), Column('iteration', 'INTEGER'), Column('source_iteration', 'INTEGER'),
         Column('problem_id', 'VARCHAR'), Column('sample', 'INTEGER'), Column('env', 'VARCHAR'),
-        Column('pair', 'INTEGER', "sft.method = 'dpo': the pair's number and 'chosen' or 'rejected' (sft: NULL)"),
-        Column('role', 'VARCHAR', "sft.method = 'dpo': the pair's number and 'chosen' or 'rejected' (sft: NULL)"),
+        Column('pair', 'INTEGER', "sft.method = 'dpo': the pair's number (sft: NULL)"),
+        Column('role', 'VARCHAR', "sft.method = 'dpo': 'chosen' or 'rejected' (sft: NULL)"),
     )),
     Table('sandbox_runs', key=('run_id',), columns=(
         Column('run_id', 'VARCHAR'), Column('campaign', 'VARCHAR'), Column('iteration', 'INTEGER'),
