@@ -128,9 +128,9 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
 # The longest files first (durations of the fresh-clone runs in docs/benchmarks/tests.md): with pytest-xdist's
 # --dist loadfile each worker takes the next file as it frees up, so a long file collected last (they are
 # collected alphabetically) would run alone on one core at the end while the other core idles.
-LONGEST_FIRST = ("test_crash_safety.py", "test_deployments.py", "test_servers.py", "test_approval.py",
-                 "test_vllm.py", "test_ray.py", "test_campaign_flow.py", "test_vllm_backend.py", "test_endpoint.py",
-                 "test_store_concurrency.py", "test_portable.py")
+LONGEST_FIRST = ("test_servers.py", "test_deployments.py", "test_crash_safety.py", "test_endpoint_vllm.py",
+                 "test_approval.py", "test_vllm.py", "test_ray.py", "test_campaign_flow.py", "test_vllm_backend.py",
+                 "test_many_envs.py", "test_endpoint.py", "test_store_concurrency.py", "test_portable.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
