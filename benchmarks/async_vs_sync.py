@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 def run(mode: str, config_path: str, iterations: int) -> dict[str, float]:
     from evertrain.config import load_config
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.runtime import get_runtime, release_runtimes
+    from evertrain.runtime import Runtime
 
     scratch = Path(tempfile.mkdtemp(prefix=f"evertrain-{mode}-"))
     data = load_config(config_path).model_dump()
@@ -37,19 +37,19 @@ def run(mode: str, config_path: str, iterations: int) -> dict[str, float]:
     data["paths"] = {"store": str(scratch / "store.duckdb"), "mlflow_uri": f"sqlite:///{scratch / 'mlflow.db'}",
                      "artifacts": str(scratch / "artifacts"), "checkpoints": str(scratch / "checkpoints")}
     config = type(load_config(config_path)).model_validate(data)
-    rt = get_runtime(config)
-    _ = rt.base_model
+    with Runtime.open(config) as rt:  # closed before the flow opens its own
+        _ = rt.base_model
     t = os.times()
     cpu0, wall0 = t.user + t.system + t.children_user + t.children_system, time.perf_counter()
     campaign_flow(config, iterations)
     wall = time.perf_counter() - wall0
     t = os.times()
     cpu = t.user + t.system + t.children_user + t.children_system - cpu0
-    completions = int(rt.store.scalar("SELECT count(*) FROM rollouts WHERE iteration < ?", [iterations]))
-    pass1 = rt.store.query(
-        "SELECT iteration, json_extract(metrics, '$.pass1_challenger')::DOUBLE AS p FROM stage_runs "
-        "WHERE stage = 'evaluate' ORDER BY iteration")["p"].tolist()
-    release_runtimes()
+    with Runtime.open(config) as rt:
+        completions = int(rt.store.scalar("SELECT count(*) FROM rollouts WHERE iteration < ?", [iterations]))
+        pass1 = rt.store.query(
+            "SELECT iteration, json_extract(metrics, '$.pass1_challenger')::DOUBLE AS p FROM stage_runs "
+            "WHERE stage = 'evaluate' ORDER BY iteration")["p"].tolist()
     return {"mode": mode, "iterations": iterations, "wall_s": wall, "cpu_s": cpu,
             "wall_s_per_iteration": wall / iterations, "cpu_s_per_iteration": cpu / iterations,
             "completions": completions, "completions_per_wall_s": completions / wall,

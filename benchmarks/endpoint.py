@@ -88,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
-    from evertrain.runtime import get_runtime, quiet_libraries
+    from evertrain.runtime import Runtime, quiet_libraries
 
     quiet_libraries()
     import openai
@@ -112,7 +112,8 @@ def main() -> None:
     if args.max_batch:
         data["serving"]["max_batch"] = args.max_batch
     config = type(load_config(None)).model_validate(data)
-    get_runtime(config).ensure_started()
+    with Runtime.open(config) as rt:  # closed before the endpoint opens the store
+        rt.ensure_started()
 
     with EndpointServer(config, port=0) as server:
         endpoint = server.endpoint

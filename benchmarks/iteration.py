@@ -43,15 +43,16 @@ def main() -> None:
 
     from benchmarks.common import print_table, save
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
-    rt = get_runtime(config)
-    _ = rt.base_model  # conversion happens once, outside the measurement
+    with Runtime.open(config) as rt:  # closed before the flow opens its own
+        _ = rt.base_model  # conversion happens once, outside the measurement
     wall0, cpu0 = time.perf_counter(), time.process_time()
     campaign_flow(config, 1)
     total_wall, total_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
 
-    frame = rt.store.query("SELECT stage, wall_s, cpu_s, metrics FROM stage_runs WHERE iteration = 0")
+    with Runtime.open(config) as rt:
+        frame = rt.store.query("SELECT stage, wall_s, cpu_s, metrics FROM stage_runs WHERE iteration = 0")
     order = ["curate", "rollout", "score", "update", "evaluate", "promote"]
     rows = []
     for stage in order:

@@ -121,24 +121,24 @@ def measure_trainee(config_path: str, sets: list[str], campaign: str) -> tuple[i
     store is opened for writing, and nothing is written to it. Its version and its rows."""
     from evertrain.config import load_config
     from evertrain.curriculum import broad_problems
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks.evaluate import evaluate_version
 
     config = load_config(config_path, sets)
     if config.name != campaign:
         config = config.model_copy(update={"name": campaign})
-    rt = get_runtime(config)
-    state = rt.store.campaign_state(rt.campaign) or {}
-    version = state.get("trainee_version")
-    if version is None:
-        raise SystemExit(f"campaign {campaign!r} has no trainee recorded")
-    problems = broad_problems(rt)
-    last = int(rt.store.scalar("SELECT max(iteration) FROM stage_runs WHERE campaign = ?", [rt.campaign]))
-    rows, _ = evaluate_version(rt, int(version), problems, last, "sealed")
-    frame = pd.DataFrame(rows)
-    frame = frame[frame["sample"] == 0][["model_version", "env", "problem_id", "reward"]]
-    levels = rt.store.query("SELECT problem_id, level, source FROM broad_sealed WHERE campaign = ?", [rt.campaign])
-    return int(version), frame.merge(levels, on="problem_id").assign(split="broad")
+    with Runtime.open(config) as rt:  # closed (the campaign's claim released) before a reader opens the files
+        state = rt.store.campaign_state(rt.campaign) or {}
+        version = state.get("trainee_version")
+        if version is None:
+            raise SystemExit(f"campaign {campaign!r} has no trainee recorded")
+        problems = broad_problems(rt)
+        last = int(rt.store.scalar("SELECT max(iteration) FROM stage_runs WHERE campaign = ?", [rt.campaign]))
+        rows, _ = evaluate_version(rt, int(version), problems, last, "sealed")
+        frame = pd.DataFrame(rows)
+        frame = frame[frame["sample"] == 0][["model_version", "env", "problem_id", "reward"]]
+        levels = rt.store.query("SELECT problem_id, level, source FROM broad_sealed WHERE campaign = ?", [rt.campaign])
+        return int(version), frame.merge(levels, on="problem_id").assign(split="broad")
 
 
 def curve(store: Any, campaign: str) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[int, int | None]]:
@@ -252,12 +252,9 @@ def main() -> None:
     from evertrain.data.store import Store
 
     trainee = None
-    if args.measure_trainee:  # before the read-only store is opened: the runtime opens it for writing
+    if args.measure_trainee:  # before the read-only store is opened: the context opens it for writing (and closes it)
         os.environ["EVERTRAIN_STORE"] = args.store
         trainee, trainee_rows = measure_trainee(args.measure_trainee, args.set, args.campaign)
-        from evertrain.runtime import release_runtimes
-
-        release_runtimes()  # the writable connection closed before a reader opens the same files
     store = Store(args.store, read_only=True)
     rows, scores, held = curve(store, args.campaign)
     last = rows[-1]["iteration"]

@@ -173,11 +173,12 @@ def train_evertrain(args: argparse.Namespace, scratch: Path, out: Path) -> None:
     from prefect import flow
 
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
-    rt = get_runtime(config)
-    _ = rt.base_model
-    rt.ensure_started()  # one-time set-up (MLflow experiment, base model as version 1) outside the budget
+    with Runtime.open(config) as rt:  # closed before each flow run opens its own
+        _ = rt.base_model
+        rt.ensure_started()  # one-time set-up (MLflow experiment, base model as version 1) outside the budget
+        base_checkpoint = str(rt.checkpoint(1))
 
     @flow(name="vs-trl-warmup")
     def warmup() -> int:
@@ -191,7 +192,7 @@ def train_evertrain(args: argparse.Namespace, scratch: Path, out: Path) -> None:
     result: dict[str, Any] = {
         "system": "evertrain", "status": "running", "budget_cpu_s": budget, "config": config.model_dump(mode="json"),
         "iterations": [], "checkpoints": [],
-        "base_checkpoint": str(rt.checkpoint(1)),
+        "base_checkpoint": base_checkpoint,
     }
     spent = train_spent = completions = 0.0
     wall0 = time.perf_counter()
@@ -199,7 +200,8 @@ def train_evertrain(args: argparse.Namespace, scratch: Path, out: Path) -> None:
         c0, w0 = tree_cpu_seconds(), time.perf_counter()
         [iteration] = campaign_flow(config, 1)
         flow_cpu, flow_wall = tree_cpu_seconds() - c0, time.perf_counter() - w0
-        row = iteration_record(rt, iteration)
+        with Runtime.open(config) as rt:
+            row = iteration_record(rt, iteration)
         if row["champion_version_after"] is None:
             its = result["iterations"]
             row["champion_version_after"] = its[-1]["champion_version_after"] if its else 1  # 1: the base model
@@ -228,10 +230,12 @@ def train_evertrain(args: argparse.Namespace, scratch: Path, out: Path) -> None:
                 args.max_completions and completions >= args.max_completions):
             break
     champion = result["iterations"][-1]["champion_version_after"]
+    with Runtime.open(config) as rt:
+        champion_checkpoint = str(rt.checkpoint(champion))
     result.update(status="ok", train_cpu_s=train_spent, all_in_cpu_s=spent, completions=completions,
                   wall_s=time.perf_counter() - wall0,
                   final_checkpoint=result["checkpoints"][-1]["path"], champion_version=champion,
-                  champion_checkpoint=str(rt.checkpoint(champion)))
+                  champion_checkpoint=champion_checkpoint)
     out.write_text(json.dumps(result, indent=2, default=str))
 
 

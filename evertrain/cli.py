@@ -55,42 +55,42 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
+    from evertrain.data.store import Store
     from evertrain.flows.campaign import campaign_flow
     from evertrain.report import iteration_report, render_table
-    from evertrain.runtime import get_runtime
 
-    rt = get_runtime(config)
     mix = [f"{s.name}×{s.weight:g}" if s.weight else f"{s.name} (eval only)" for s in config.environments]
     print(f"campaign {config.name!r}: model {config.model.path}, environments {', '.join(mix)}; "
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
-    done = campaign_flow(config, args.iterations)
+    done = campaign_flow(config, args.iterations)  # opens the campaign's context, and closes it when it ends
     from evertrain.report import champion_vs_base, format_refusal, format_versus, last_refusal, share_line
 
-    rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
-    render_table(rows, f"campaign {config.name}")
-    if share_line(rows):
-        print(share_line(rows))
-    for s in champion_vs_base(rt.store, config.name):
-        print(format_versus(s))
-    for line in format_refusal(last_refusal(rt.store, config.name)):
-        print(line)
+    with Store(config.paths.store, read_only=True) as store:
+        rows = [r for r in iteration_report(store, config.name) if r["iteration"] in set(done)]
+        render_table(rows, f"campaign {config.name}")
+        if share_line(rows):
+            print(share_line(rows))
+        for s in champion_vs_base(store, config.name):
+            print(format_versus(s))
+        for line in format_refusal(last_refusal(store, config.name)):
+            print(line)
     return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
     config = _config(args)
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 
-    rt = get_runtime(config)
-    before = rt.store.counts()
-    if args.stage == "sft":  # the optional stage (sft.enabled) is not one of the six
-        from evertrain.tasks.sft import sft as function
-    else:
-        function = STAGE_FUNCTIONS[args.stage]
-    metrics = run_stage(rt, args.stage, args.iteration, function)
-    after = rt.store.counts()
+    with Runtime.open(config) as rt:
+        before = rt.store.counts()
+        if args.stage == "sft":  # the optional stage (sft.enabled) is not one of the six
+            from evertrain.tasks.sft import sft as function
+        else:
+            function = STAGE_FUNCTIONS[args.stage]
+        metrics = run_stage(rt, args.stage, args.iteration, function)
+        after = rt.store.counts()
     print(json.dumps({"stage": args.stage, "iteration": args.iteration, "metrics": metrics,
                       "rows_changed": {t: after[t] - before[t] for t in after if after[t] != before[t]}},
                      indent=2, default=str))
@@ -440,10 +440,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     config = _config(args)
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks.promote import rollback
 
-    result = rollback(get_runtime(config), args.to, reason=args.reason)
+    with Runtime.open(config) as rt:
+        result = rollback(rt, args.to, reason=args.reason)
     print(f"campaign {result['campaign']!r}: champion is now v{result['champion']} (previous_champion "
           f"v{result['previous_champion']}); the next iteration samples from v{result['trainee']}")
     return 0
@@ -465,9 +466,10 @@ def prefect_ui_env(host: str, port: int) -> dict[str, str]:
 def cmd_export(args: argparse.Namespace) -> int:
     config = _config(args)
     from evertrain.export import export
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
-    result = export(get_runtime(config), Path(args.out), version=args.version, log_to_mlflow=not args.no_mlflow)
+    with Runtime.open(config) as rt:
+        result = export(rt, Path(args.out), version=args.version, log_to_mlflow=not args.no_mlflow)
     print(f"exported v{result['version']} of campaign {config.name!r} to {result['out']}: "
           f"{', '.join(result['files'])}", file=sys.stderr)
     if result["mlflow_model_uri"]:

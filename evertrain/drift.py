@@ -151,10 +151,12 @@ def check(config: CampaignConfig, store: Store | None = None, at: datetime | Non
 
     Returns ``{"readings", "dropped", "blocked", "flow_run_id", "flow_run_name", "outcome"}``.
     """
-    from evertrain.data.store import open_store
+    from evertrain.data.store import Store
 
     drift = config.drift
-    store = store or open_store(config.paths.store)
+    if store is None:
+        with Store(config.paths.store) as own:  # its own connection, closed before a run is started
+            return check(config, own, at)
     readings = live_window(store, config.name, drift.window_minutes, drift.threshold, drift.min_requests,
                            drift.confident, at)
     dropped = [r for r in readings if r.dropped]

@@ -1,21 +1,22 @@
-"""What every stage of a campaign shares in one process: config, store, tracker, environments, models.
+"""The campaign context: what every stage of a campaign shares: config, store, tracker, environments, models.
 
-A :class:`Runtime` is opened once per process and config (``get_runtime``), so flows can take only
-the config as their parameter (Prefect shows it as a form) while the DuckDB connection, the MLflow
-client and the resolved base model are reused by every stage.
+A :class:`Runtime` is opened explicitly (``with Runtime.open(config) as rt:``) by whoever runs stages: the
+campaign flow opens one and passes it to every stage task and to its iteration subflows, the CLI and the
+notebooks open their own. It owns what it opened (the store connection and the campaign's writer claim)
+and closes it in :meth:`Runtime.close`; nothing is cached per process, so two contexts never share a
+connection by accident and a closed campaign leaves no file open behind it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from evertrain.config import CampaignConfig
-from evertrain.data.store import Store, StoreError, open_store
+from evertrain.data.store import Store, StoreError
 from evertrain.envs import registry
 from evertrain.envs.base import Environment
 from evertrain.tracking import Tracker
@@ -55,13 +56,65 @@ def seed_for(*parts: Any) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-@dataclass
 class Runtime:
-    config: CampaignConfig
-    store: Store
-    tracker: Tracker
-    envs: dict[str, Environment] = field(default_factory=dict)
-    _base_model: str | None = None
+    """A campaign's context. ``Runtime.open(config)`` opens (and owns) a store connection; constructed
+    directly from a store, it only borrows it (the endpoint's, which the endpoint closes)."""
+
+    # A plain class, not a dataclass: Prefect records a subflow's parameters with FastAPI's jsonable_encoder,
+    # which deep-copies a dataclass whole; this one's encoding fails at its store connection, and Prefect
+    # records the parameter as "<Runtime>", as it does for any parameter it cannot encode.
+
+    def __init__(self, config: CampaignConfig, store: Store, tracker: Tracker,
+                 envs: dict[str, Environment] | None = None, *, owns_store: bool = False) -> None:
+        self.config = config
+        self.store = store
+        self.tracker = tracker
+        self.envs: dict[str, Environment] = {} if envs is None else envs
+        self._base_model: str | None = None
+        self._owns_store = owns_store
+        self._closed = False
+
+    @classmethod
+    def open(cls, config: CampaignConfig) -> Runtime:
+        """Open ``config``'s campaign: a writable store connection, claimed as the campaign's one writer.
+
+        Close it (or use it as a context manager) when done: until then no other process may run the
+        campaign, and a DuckDB-file store stays locked.
+        """
+        quiet_libraries()
+        from evertrain.models.policy import set_threads
+
+        set_threads(config.torch_threads)
+        store = Store(config.paths.store)
+        try:
+            # one writer per campaign: many processes may share a DuckLake store, one run may write a campaign
+            store.claim(config.name)
+        except BaseException:
+            store.close()
+            raise
+        return cls(config=config, store=store, tracker=Tracker(config), owns_store=True)
+
+    def close(self) -> None:
+        """Close what this context opened (its store connection, which releases its campaign claim)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_store:
+            self.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Runtime(campaign={self.campaign!r}, store={self.store.location.describe()!r}, closed={self._closed})"
 
     @property
     def campaign(self) -> str:
@@ -177,31 +230,3 @@ class Runtime:
         self.store.record_version(self.campaign, version, -1, "base", path, None, replaces_iteration=False)
 
 
-_runtimes: dict[str, Runtime] = {}
-_lock = threading.Lock()
-
-
-def get_runtime(config: CampaignConfig) -> Runtime:
-    """The process's runtime for ``config`` (one store connection and tracker per config)."""
-    quiet_libraries()
-    key = config.model_dump_json()
-    with _lock:
-        if key not in _runtimes:
-            from evertrain.models.policy import set_threads
-
-            set_threads(config.torch_threads)
-            store = open_store(config.paths.store)
-            # one writer per campaign: many processes may share a DuckLake store, one run may write a campaign
-            store.claim(config.name)
-            _runtimes[key] = Runtime(config=config, store=store, tracker=Tracker(config))
-        return _runtimes[key]
-
-
-def release_runtimes() -> None:
-    """Close every store connection this process holds (so another process can open the files)."""
-    from evertrain.data.store import close_store
-
-    with _lock:
-        for runtime in _runtimes.values():
-            close_store(runtime.config.paths.store)
-        _runtimes.clear()

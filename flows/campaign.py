@@ -9,6 +9,10 @@ In async mode (``update.mode = "async"``) the update of iteration i runs beside 
 and score stages of iteration i+1, which therefore sample from the trainee as it was before that
 update: one version old, within the staleness bound the update corrects for. Iteration i+1 then finds
 those stages completed and skips them.
+
+``campaign_flow`` takes the config (a deployment's form in the Prefect UI) and opens the campaign context
+(:class:`evertrain.runtime.Runtime`: the store connection, claimed as the campaign's one writer) once; every
+iteration subflow and stage task receives that context, and it is closed when the flow ends, however it ends.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from prefect import flow
 
 from evertrain.config import CampaignConfig
 from evertrain.drift import campaign_run_name
-from evertrain.runtime import Runtime, get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_TASKS, STAGES
 
 COMPACT_EVERY = 5  # iterations between compactions of the store (measured: benchmarks/store.py)
@@ -35,10 +39,13 @@ def next_iteration(rt: Runtime) -> int:
     return int(frame["iteration"].max()) + 1 if len(frame) else 0
 
 
-@flow(name="evertrain-iteration", flow_run_name="{config.name}-iteration-{iteration}", log_prints=True)
-def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    """One pass of the loop for ``iteration``, resuming at its first unfinished stage."""
-    rt = get_runtime(config)
+# the context is not JSON: Prefect records it as "<Runtime>" in the subflow's parameters (the campaign's config
+# is the parent run's parameter), and does not validate it (pydantic has no schema for a store connection)
+@flow(name="evertrain-iteration", flow_run_name="{rt.campaign}-iteration-{iteration}", log_prints=True,
+      validate_parameters=False)
+def iteration_flow(rt: Runtime, iteration: int) -> dict[str, Any]:
+    """One pass of the loop for ``iteration``, resuming at its first unfinished stage, in the open context ``rt``."""
+    config = rt.config
     done = rt.store.stage_status(rt.campaign, iteration)
     metrics: dict[str, Any] = {}
     for stage in STAGES:
@@ -46,33 +53,38 @@ def iteration_flow(config: CampaignConfig, iteration: int) -> dict[str, Any]:
                 and done.get("update") != "completed"):
             from evertrain.tasks.sft import sft_task  # the optional stage between score and update
 
-            metrics["sft"] = sft_task(config, iteration)
+            metrics["sft"] = sft_task(rt, iteration)
         if done.get(stage) == "completed":
             continue
         if stage == "update" and config.update.mode == "async":
-            future = STAGE_TASKS["update"].submit(config, iteration)
+            future = STAGE_TASKS["update"].submit(rt, iteration)
             ahead = rt.store.stage_status(rt.campaign, iteration + 1)
             for early in ("curate", "rollout", "score"):  # the next iteration's sampling overlaps this update
                 if ahead.get(early) != "completed":
-                    metrics[f"next_{early}"] = STAGE_TASKS[early](config, iteration + 1)
+                    metrics[f"next_{early}"] = STAGE_TASKS[early](rt, iteration + 1)
             metrics[stage] = future.result()
             continue
-        metrics[stage] = STAGE_TASKS[stage](config, iteration)
+        metrics[stage] = STAGE_TASKS[stage](rt, iteration)
     return metrics
 
 
 @flow(name="evertrain-campaign", flow_run_name=campaign_run_name, log_prints=True)
 def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
     """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
-    rt = get_runtime(config)
+    with Runtime.open(config) as rt:  # once per run: every stage shares it, and it is closed however the run ends
+        return run_campaign(rt, iterations)
+
+
+def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
+    """The body of :func:`campaign_flow`, in an open context ``rt`` (which the caller closes)."""
     from evertrain.models.sampler import check_backend
 
     # a rollout backend that cannot run the model refuses now, not when its engine dies mid-rollout
-    check_backend(config, rt.base_model)
+    check_backend(rt.config, rt.base_model)
     finished: list[int] = []
     while iterations is None or len(finished) < iterations:
         iteration = next_iteration(rt)
-        iteration_flow(config, iteration)
+        iteration_flow(rt, iteration)
         finished.append(iteration)
         if (iteration + 1) % COMPACT_EVERY == 0:
             # every stage write adds Parquet files to a DuckLake store: merge them so readers (and the

@@ -1,5 +1,6 @@
 """The six stages. Each module holds a plain function ``stage(runtime, iteration) -> metrics`` that
-does the work, and a thin Prefect task ``stage_task(config, iteration)`` around it."""
+does the work, and a thin Prefect task ``stage_task(runtime, iteration)`` around it: the flow opens the
+campaign context (:class:`evertrain.runtime.Runtime`) once and passes it to every stage task."""
 
 from evertrain.tasks.base import STAGES, run_stage
 from evertrain.tasks.curate import curate, curate_task

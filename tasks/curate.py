@@ -30,9 +30,10 @@ from prefect.cache_policies import NO_CACHE
 from evertrain.config import CampaignConfig
 from evertrain.curriculum import candidates as curriculum_candidates
 from evertrain.data.store import now, to_json
+from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem
 from evertrain.envs.quality import NgramIndex
-from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import allocate, run_stage
 
 RULES = ("duplicate", "near_duplicate", "contaminated", "too_easy", "too_hard")
@@ -40,12 +41,12 @@ RULES = ("duplicate", "near_duplicate", "contaminated", "too_easy", "too_hard")
 
 @cache
 def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
+    # a pure function of the config (environments built here, nothing opened is kept): safe to cache
     config = CampaignConfig.model_validate_json(config_json)
-    rt = get_runtime(config)
     index = NgramIndex(n=config.curation.decontamination_ngram)
     ids = set()
     for spec in config.environments:
-        env = rt.env(spec.name)
+        env = registry.get(spec.name, **spec.options)
         mine = NgramIndex(n=config.curation.decontamination_ngram)
         gate = config.eval_size(spec.name)
         # the sealed splits are kept out of training like the gate's set: curation only learns their ids
@@ -176,5 +177,5 @@ class _EitherIndex:
 
 
 @task(name="curate", cache_policy=NO_CACHE)
-def curate_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), "curate", iteration, curate)
+def curate_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, "curate", iteration, curate)

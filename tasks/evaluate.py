@@ -44,11 +44,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.cluster import SampleJob, driver_policy, sample_jobs, verify_items
-from evertrain.config import CampaignConfig
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.envs.base import Problem
 from evertrain.models.policy import encode_chat
-from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
 from evertrain.stats import bootstrap_means, sequential_boundaries
 from evertrain.tasks.base import progress, run_stage
@@ -438,5 +437,5 @@ def evaluate_sealed(rt: Runtime, iteration: int, versions: list[int]) -> dict[st
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), "evaluate", iteration, evaluate)
+def evaluate_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, "evaluate", iteration, evaluate)

@@ -23,9 +23,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.approval import request_approval
-from evertrain.config import CampaignConfig, PromotionConfig
+from evertrain.config import PromotionConfig
 from evertrain.data.store import StoreError, now, to_json
-from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import run_stage
 from evertrain.tasks.evaluate import (
     challenger_of,
@@ -238,5 +238,5 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), "promote", iteration, promote)
+def promote_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, "promote", iteration, promote)

@@ -17,12 +17,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.cluster import SampleJob, driver_policy, sample_jobs
-from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.models.episodes import Episode
 from evertrain.models.policy import SamplingStats, encode_chat
-from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -113,5 +112,5 @@ def rollout_version(rt: Runtime, iteration: int, default: Callable[[], int]) -> 
 
 
 @task(name="rollout", cache_policy=NO_CACHE)
-def rollout_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), "rollout", iteration, rollout)
+def rollout_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, "rollout", iteration, rollout)

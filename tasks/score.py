@@ -21,10 +21,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.cluster import verify_items
-from evertrain.config import CampaignConfig
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
-from evertrain.runtime import Runtime, get_runtime
+from evertrain.runtime import Runtime
 from evertrain.scoring import grader_errors, pop_sandbox_runs
 from evertrain.tasks.base import progress, run_stage
 
@@ -97,5 +96,5 @@ def check_grader_errors(rt: Runtime, iteration: int, verdicts: list[Any]) -> flo
 
 
 @task(name="score", cache_policy=NO_CACHE)
-def score_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), "score", iteration, score)
+def score_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, "score", iteration, score)

@@ -36,8 +36,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from evertrain.config import CampaignConfig
-from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import run_stage
 from evertrain.tasks.warm_start import (  # noqa: F401  (checkpoint_dir, checkpoint_for: the stage's API)
     checkpoint_dir,
@@ -171,5 +170,5 @@ def _train_sft(rt: Runtime, iteration: int, model: Any, tokenizer: Any, frame: A
 # log_prints off: Prefect's print capture would break dill's own stdout capture inside `datasets` (its
 # fingerprinting disassembles functions with dis.dis and reads the text back), spilling bytecode into the log
 @task(name="sft", cache_policy=NO_CACHE, log_prints=False)
-def sft_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), STAGE, iteration, sft)
+def sft_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, STAGE, iteration, sft)

@@ -83,7 +83,7 @@ from evertrain.models.policy import (
     save_checkpoint,
     update_precision,
 )
-from evertrain.runtime import Runtime, get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 from evertrain.tasks.warm_start import checkpoint_for, start_version_of
 
@@ -568,5 +568,5 @@ def update(rt: Runtime, iteration: int) -> dict[str, Any]:
 
 
 @task(name="update", cache_policy=NO_CACHE)
-def update_task(config: CampaignConfig, iteration: int) -> dict[str, Any]:
-    return run_stage(get_runtime(config), "update", iteration, update)
+def update_task(rt: Runtime, iteration: int) -> dict[str, Any]:
+    return run_stage(rt, "update", iteration, update)

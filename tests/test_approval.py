@@ -49,7 +49,7 @@ def _reviewer(campaign: str, stop: threading.Event, seen: dict) -> None:
 @pytest.fixture(scope="module")
 def approved_campaign(tmp_path_factory, models_dir, prefect_server):
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
     config = smoke_config_in(
         tmp_path_factory.mktemp("approval"), models_dir, name="approval",
@@ -69,10 +69,10 @@ def approved_campaign(tmp_path_factory, models_dir, prefect_server):
     finally:
         stop.set()
         reviewer.join(timeout=30)
-    rt = get_runtime(config)
-    approvals = rt.store.query("SELECT * FROM approvals WHERE campaign = ? ORDER BY iteration", [config.name])
-    promotions = rt.store.query("SELECT * FROM promotions WHERE campaign = ? ORDER BY iteration", [config.name])
-    return config, rt, finished, seen, approvals.set_index("iteration"), promotions.set_index("iteration")
+    with Runtime.open(config) as rt:
+        approvals = rt.store.query("SELECT * FROM approvals WHERE campaign = ? ORDER BY iteration", [config.name])
+        promotions = rt.store.query("SELECT * FROM promotions WHERE campaign = ? ORDER BY iteration", [config.name])
+        yield config, rt, finished, seen, approvals.set_index("iteration"), promotions.set_index("iteration")
 
 
 def test_every_passed_gate_waited_for_a_person(approved_campaign):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from tests.conftest import smoke_config_in
 
 
@@ -18,7 +18,7 @@ def test_async_campaign_respects_the_staleness_bound(tmp_path, models_dir, prefe
                 "finetune": "full", "minibatch_size": 16, "microbatch_size": 16},
     )
     assert campaign_flow(config, 3) == [0, 1, 2]
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     rollouts = rt.store.query("SELECT iteration, min(policy_version) AS v FROM rollouts GROUP BY ALL ORDER BY 1")
     versions = rt.store.query("SELECT iteration, version, parent_version FROM model_versions ORDER BY version")
     updates = rt.store.query("SELECT iteration, metrics FROM stage_runs WHERE stage = 'update' ORDER BY iteration")
@@ -40,7 +40,7 @@ def test_update_drops_rollouts_beyond_the_bound(tmp_path, models_dir):
                              problems_per_iteration=4, group_size=4,
                              update={"max_staleness": 1, "replay": True, "learning_rate": 1e-2, "finetune": "full",
                                      "minibatch_size": 16, "microbatch_size": 16})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for iteration in range(3):
         for stage in ("curate", "rollout", "score", "update"):
             run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])

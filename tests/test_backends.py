@@ -118,7 +118,7 @@ def test_campaign_on_vllm_refuses_before_its_first_stage(tmp_path, prefect_serve
     from evertrain.flows.campaign import campaign_flow
     from evertrain.models.sampler import BackendError
     from evertrain.models.tiny import build_tiny_model
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
     model = build_tiny_model(tmp_path / "models" / "head16", hidden=64, heads=4)
     config = smoke_config_in(tmp_path, model.parent, model={"path": str(model), "rollout_dtype": "float32",
@@ -126,7 +126,8 @@ def test_campaign_on_vllm_refuses_before_its_first_stage(tmp_path, prefect_serve
                              generation={"backend": "vllm", "vllm_python": str(VLLM_PYTHON), "max_new_tokens": 8})
     with pytest.raises(BackendError, match="head size 16"):
         campaign_flow(config, 1)
-    assert get_runtime(config).store.query("SELECT * FROM stage_runs").empty
+    with Runtime.open(config) as rt:  # the flow's context was closed when it failed: the campaign can be opened
+        assert rt.store.query("SELECT * FROM stage_runs").empty
 
 
 # --- B: declared capabilities, and settings a backend cannot honour ----------------------------------------
@@ -210,10 +211,10 @@ def test_checkpoint_digest_follows_content_not_path_or_time(tmp_path):
 def test_the_gate_cache_key_asks_the_capability(smoke_config, tmp_path):
     """The evaluation cache key of an hf campaign is unchanged; one on vLLM differs (other answers)."""
     from evertrain.envs.base import Problem
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks.evaluate import generation_key
 
-    rt = get_runtime(smoke_config)
+    rt = Runtime.open(smoke_config)
     problem = rt.env("arithmetic").problems("eval", 1, 0)[0]
     assert isinstance(problem, Problem)
     hf_key = generation_key(rt, problem)

@@ -15,11 +15,12 @@ from tests.conftest import smoke_config_in
 @pytest.fixture(scope="module")
 def finished_campaign(tmp_path_factory, models_dir, prefect_server):
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
     config = smoke_config_in(tmp_path_factory.mktemp("campaign"), models_dir)
     finished = campaign_flow(config, 2)
-    return config, get_runtime(config), finished
+    with Runtime.open(config) as rt:
+        yield config, rt, finished
 
 
 def test_two_iterations_write_every_table(finished_campaign):

@@ -10,7 +10,7 @@ import pytest
 from evertrain.data.store import now
 from evertrain.envs import registry
 from evertrain.envs.quality import NgramIndex, validate
-from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.base import allocate
 from evertrain.tasks.evaluate import eval_problems, pass_at_k
@@ -47,9 +47,10 @@ def test_curate_drops_contaminated_problems(tmp_path, models_dir):
     config = smoke_config_in(tmp_path, models_dir, name="decontam", problems_per_iteration=13,
                              environments=[{"name": "code", "weight": 1, "options": {"path": str(path)}}],
                              eval={"problems_per_env": 1}, curation={"oversample": 1})
-    metrics = run_stage(get_runtime(config), "curate", 0, STAGE_FUNCTIONS["curate"])
+    with Runtime.open(config) as rt:
+        metrics = run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+        prompts = rt.store.query("SELECT prompt FROM problems")["prompt"]
     assert metrics["dropped_contaminated"] == 1
-    prompts = get_runtime(config).store.query("SELECT prompt FROM problems")["prompt"]
     assert not prompts.str.contains("farmer").any() and len(prompts) == 12
 
 
@@ -59,7 +60,7 @@ def test_weight_zero_environment_is_evaluated_but_never_trained_on(tmp_path, mod
         tmp_path, models_dir, name="guard", problems_per_iteration=5,
         environments=[{"name": "arithmetic", "weight": 1}, {"name": "digits", "weight": 0}],
         eval={"problems_per_env": 4})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     metrics = run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     assert metrics["problems_digits"] == 0 and metrics["problems"] == 5
     assert set(rt.store.query("SELECT env FROM problems")["env"]) == {"arithmetic"}
@@ -71,7 +72,7 @@ def test_difficulty_history_skips_mastered_and_hopeless_problems(tmp_path, model
         tmp_path, models_dir, name="difficulty", problems_per_iteration=4,
         environments=[{"name": "arithmetic", "weight": 1, "options": {"low": 2, "high": 5, "eval_pool": 8}}],
         eval={"problems_per_env": 8}, curation={"oversample": 2, "history_k": 4})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     train = registry.get("arithmetic", low=2, high=5, eval_pool=8).problems("train", 8, 0)
     easy, hard = train[0].id, train[1].id
     history = pd.DataFrame([
@@ -84,8 +85,9 @@ def test_difficulty_history_skips_mastered_and_hopeless_problems(tmp_path, model
     chosen = set(rt.store.query("SELECT problem_id FROM problems WHERE iteration = 1")["problem_id"])
     assert easy not in chosen and hard not in chosen and len(chosen) == 4
     # the history lives in the store: a new process (here: a fresh runtime) makes the same decisions
-    release_runtimes()
-    again = run_stage(get_runtime(config), "curate", 1, STAGE_FUNCTIONS["curate"])
+    rt.close()
+    with Runtime.open(config) as rt:
+        again = run_stage(rt, "curate", 1, STAGE_FUNCTIONS["curate"])
     assert (again["dropped_too_easy"], again["dropped_too_hard"]) == (1, 1)
 
 
@@ -125,7 +127,7 @@ def test_campaign_refuses_an_environment_that_fails_validation(tmp_path, models_
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = smoke_config_in(tmp_path, models_dir, name="broken", eval={"problems_per_env": 1},
                              environments=[{"name": "code", "weight": 1, "options": {"path": str(path)}}])
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     with pytest.raises(EnvironmentInvalid, match=r"failed validation.*(reference|known-good completion) earned 0"):
         run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     assert rt.store.query("SELECT count(*) AS n FROM problems")["n"].iloc[0] == 0

@@ -21,7 +21,7 @@ from evertrain.curriculum import (
 from evertrain.envs import registry
 from evertrain.envs.quality import NgramIndex
 from evertrain.report import diversity, diversity_metrics, min_detectable_gain
-from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
 
@@ -58,7 +58,7 @@ def _numbers(rt, iteration: int) -> list[int]:
 
 
 def test_level_advances_above_the_band_and_retreats_below(tmp_path, models_dir):
-    rt = get_runtime(_config(tmp_path, models_dir))
+    rt = Runtime.open(_config(tmp_path, models_dir))
     curate = STAGE_FUNCTIONS["curate"]
     first = run_stage(rt, "curate", 0, curate)
     assert _level(rt, 0) == (0, "start") and first["curriculum_level_arithmetic"] == 0
@@ -93,7 +93,7 @@ def test_level_advances_above_the_band_and_retreats_below(tmp_path, models_dir):
 
 
 def test_disabled_curriculum_draws_as_before(tmp_path, models_dir):
-    rt = get_runtime(_config(tmp_path, models_dir, enabled=False))
+    rt = Runtime.open(_config(tmp_path, models_dir, enabled=False))
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     assert rt.store.counts()["curriculum"] == 0
     env = rt.env("arithmetic")
@@ -107,23 +107,23 @@ def test_disabled_curriculum_draws_as_before(tmp_path, models_dir):
 _CHILD = """
 import sys
 from evertrain.config import CampaignConfig
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 config = CampaignConfig.model_validate_json(open(sys.argv[1]).read())
-run_stage(get_runtime(config), "curate", int(sys.argv[2]), STAGE_FUNCTIONS["curate"])
+run_stage(Runtime.open(config), "curate", int(sys.argv[2]), STAGE_FUNCTIONS["curate"])
 """
 
 
 def test_level_survives_sigkill_and_stage_rerun(tmp_path, models_dir):
     config = _config(tmp_path, models_dir)
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     curate = STAGE_FUNCTIONS["curate"]
     run_stage(rt, "curate", 0, curate)
     rt.store.append("rollouts", _groups(rt.campaign, 0, "arithmetic", [1.0] * 4))
     run_stage(rt, "curate", 1, curate)
     assert _level(rt, 1) == (1, "advance")
     rt.store.append("rollouts", _groups(rt.campaign, 1, "arithmetic", [1.0] * 4))
-    release_runtimes()  # the child process must be the campaign's one writer
+    rt.close()  # the child process must be the campaign's one writer
     path = tmp_path / "config.json"
     path.write_text(config.model_dump_json())
     env = {**os.environ, "EVERTRAIN_PROGRESS": "0"}
@@ -131,7 +131,7 @@ def test_level_survives_sigkill_and_stage_rerun(tmp_path, models_dir):
         done = subprocess.run([sys.executable, "-c", _CHILD, str(path), "2"], cwd=ROOT, capture_output=True,
                               text=True, timeout=600, env={**env, "EVERTRAIN_KILL_AT": f"curate:{point}"})
         assert done.returncode == -9, done.stderr[-2000:]
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     assert _level(rt, 1) == (1, "advance")  # what was stored before the kills is intact
     assert rt.store.stage_status(rt.campaign, 2).get("curate") != "completed"
     # the rerun (here, like a resumed campaign) decides from earlier iterations only: the same level, one row
@@ -147,7 +147,7 @@ def test_broad_sealed_set_never_enters_curation_or_the_gate(tmp_path, models_dir
     config = smoke_config_in(tmp_path, models_dir, curriculum={"window": 4, "broad_per_level": 6, "enabled": True},
                              environments=[{"name": "arithmetic", "weight": 1, "options": {"high": 20}},
                                            {"name": "gsm8k", "weight": 1}])
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     curate = STAGE_FUNCTIONS["curate"]
     run_stage(rt, "curate", 0, curate)
     stored = rt.store.query("SELECT * FROM broad_sealed WHERE campaign = ?", [rt.campaign])
@@ -189,7 +189,7 @@ def test_broad_sealed_set_never_enters_curation_or_the_gate(tmp_path, models_dir
 
 
 def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_dir):
-    rt = get_runtime(_config(tmp_path, models_dir))
+    rt = Runtime.open(_config(tmp_path, models_dir))
     c = rt.campaign
 
     def row(problem: str, sample: int, completion: str, reward: float, logprobs: list[float], mask: list[int]):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from evertrain.data.store import now
 from evertrain.models.policy import grouped_logprobs, load_policy
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.dpo import DEFAULT_DPO_SELECT, PairCollator, selection_sql
 from evertrain.tasks.sft import checkpoint_dir, checkpoint_for, sft
@@ -28,7 +28,7 @@ def scored(tmp_path, models_dir):
     config = smoke_config_in(tmp_path, models_dir, environments=[{"name": "digits", "weight": 1}],
                              sft={"enabled": True, "method": "dpo", "max_examples": 8, "learning_rate": 5e-3,
                                   "batch_size": 4, "epochs": 2})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     return rt

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pandas as pd
 import pytest
 
-from evertrain.data.store import open_store
+from evertrain.data.store import Store
 from evertrain.drift import DRIFT_TAG, check, drift_flow, live_window
 from evertrain.serving.traces import FEEDBACK_COLUMNS, TRACE_COLUMNS, wilson
 from tests.conftest import smoke_config_in
@@ -46,7 +46,7 @@ def monitored(tmp_path, models_dir, prefect_server):
                              drift={"threshold": 0.5, "window_minutes": 30, "min_requests": 20,
                                     "cooldown_minutes": 60, "iterations": 2})
     build_deployment(config).apply()
-    store = open_store(config.paths.store)
+    store = Store(config.paths.store)  # its own connection (no per-process cache of stores)
     return config, store
 
 

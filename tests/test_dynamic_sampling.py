@@ -16,7 +16,7 @@ import pytest
 from evertrain.config import ConfigError, UpdateConfig, parse_config
 from evertrain.envs.base import Problem, Verdict
 from evertrain.envs.digits import Digits
-from evertrain.runtime import Runtime, get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
 
@@ -50,7 +50,7 @@ def campaign(tmp_path: Path, models_dir: Path, name: str, draws: int | None, eas
     config = smoke_config_in(tmp_path, models_dir, name=name, environments=[{"name": "digits", "weight": 1}],
                              problems_per_iteration=PROBLEMS, group_size=G, update=update,
                              eval={"problems_per_env": 4, "sealed_problems": 3})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     rt.ensure_started()  # the verifier self-test runs on the real digits environment, then the grader is swapped
     rt.envs["digits"] = Picky(easy_every=easy_every)
     return rt

@@ -20,7 +20,7 @@ import pytest
 
 from evertrain.envs.base import Problem
 from evertrain.envs.tools import PythonTool
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, TRACE_HEADER, EndpointServer
 from evertrain.serving.traces import live_pass_rates
 from tests.conftest import smoke_config_in
@@ -84,7 +84,7 @@ def live(tmp_path_factory, models_dir):
         eval={"problems_per_env": 4, "sealed_problems": 4},
         serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2, "max_prompt_tokens": 1024,
                  "redaction": {"patterns": [r"\bACME-\d{4,}\b"]}})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     rt.ensure_started()
     from evertrain.data.store import now
     from evertrain.models.policy import write_base_checkpoint
@@ -300,7 +300,8 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
 
     data = config.model_dump()
     data["serving"].update(curate_from_traces=True, trace_problems=8)
-    curating = get_runtime(type(config).model_validate(data))
+    # the fixture's open context holds the campaign: this one borrows its store (one writer per campaign)
+    curating = Runtime(type(config).model_validate(data), rt.store, rt.tracker)
     run_stage(curating, "curate", 0, STAGE_FUNCTIONS["curate"])
     problems = curating.store.query("SELECT * FROM problems WHERE campaign = 'live' AND iteration = 0")
     from_traces = problems[problems["payload"].str.contains('"provenance"')]

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, EndpointServer
 from tests.conftest import ROOT, smoke_config_in
 
@@ -44,7 +44,7 @@ def on_vllm(tmp_path_factory, models_dir):
         generation={"backend": "vllm", "vllm_python": str(VLLM_PYTHON), "vllm_kv_cache_gib": 0.25,
                     "max_new_tokens": 16},
         serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     rt.ensure_started()
     torch.manual_seed(1)
     peft = get_peft_model(load_policy(write_base_checkpoint(root / "b", str(base)))[0],

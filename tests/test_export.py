@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from tests.conftest import smoke_config_in
 
@@ -27,13 +27,13 @@ def exported(tmp_path_factory, models_dir):
     directory = tmp_path_factory.mktemp("export")
     config = smoke_config_in(directory, models_dir, name="export", problems_per_iteration=4, group_size=4,
                              environments=[{"name": "digits", "weight": 1}])
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in STAGES:
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     out = directory / "exported"
     result = export(rt, out, version=2)
     yield rt, out, result
-    release_runtimes()
+    rt.close()
 
 
 def test_export_loads_with_plain_transformers_and_generates(exported):

@@ -12,7 +12,7 @@ import pytest
 
 from evertrain.envs import registry
 from evertrain.flywheel import Traffic, endpoint_server, outcomes, phase_rate, with_tool
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from tests.conftest import smoke_config_in
 from tests.test_endpoint import teach
 
@@ -37,7 +37,8 @@ def served(tmp_path_factory, models_dir):
         eval={"problems_per_env": 4, "sealed_problems": 0},
         serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2, "max_prompt_tokens": 2048})
     config = with_tool(config, 1)
-    get_runtime(config).ensure_started()
+    with Runtime.open(config) as rt:  # closed before the endpoint opens the store
+        rt.ensure_started()
     server = endpoint_server(config)
     try:
         yield config, server

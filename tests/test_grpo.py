@@ -97,7 +97,7 @@ def test_importance_correction_is_active_and_bounded_for_bf16_sampling(tmp_path,
     behaviour log-probs; the mismatch is logged, and it is far larger than with float32 sampling."""
     import json
 
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, run_stage
     from tests.conftest import smoke_config_in
 
@@ -109,7 +109,7 @@ def test_importance_correction_is_active_and_bounded_for_bf16_sampling(tmp_path,
             "path": "embedded:tiny", "rollout_dtype": dtype, "models_dir": str(models_dir)},
             update={"is_cap": 1.0, "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False,
                     "learning_rate": 1e-2})
-        rt = get_runtime(config)
+        rt = Runtime.open(config)
         for stage in ("curate", "rollout", "score"):
             run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
         metrics = run_stage(rt, "update", 0, STAGE_FUNCTIONS["update"])

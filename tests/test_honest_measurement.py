@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from evertrain.config import CampaignConfig, PromotionConfig, UpdateConfig
 from evertrain.envs import registry
 from evertrain.envs.arithmetic import TRAIN_PHRASINGS, TRANSFER_PHRASINGS
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.evaluate import (
     alpha_spent,
@@ -94,7 +94,7 @@ def test_dapo_means_clip_higher_and_overlong_masking():
 def test_dapo_masks_or_penalises_completions_cut_by_the_token_limit(tmp_path, models_dir):
     config = smoke_config_in(tmp_path, models_dir, name="overlong", environments=[{"name": "digits", "weight": 1}],
                              problems_per_iteration=2, group_size=4, eval={"problems_per_env": 2, "sealed_problems": 0})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     # every group: rewards 0, .25, .5, .75 by sample, and its best-rewarded sample cut by the token limit
@@ -170,7 +170,7 @@ def test_seeded_update_gate_every_k_generation_keys_and_sealed_splits(tmp_path, 
         update={"learning_rate": 1e-2, "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False,
                 "lora": {"dropout": 0.1}},
         promotion={"bootstrap_samples": 200})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score", "update"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     first = _adapter(rt, 0)
@@ -217,7 +217,7 @@ def test_an_update_with_nothing_to_learn_registers_no_challenger(tmp_path, model
         tmp_path, models_dir, name="nothing", environments=[{"name": "arithmetic", "weight": 1}],
         problems_per_iteration=2, group_size=2, eval={"problems_per_env": 2, "sealed_problems": 0},
         update={"algorithm": "dapo", "skip_zero_variance": True, "minibatch_size": 4, "microbatch_size": 4})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     assert float(rt.store.scalar("SELECT max(reward) FROM rollouts")) == 0.0

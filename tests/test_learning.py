@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
 
@@ -13,7 +13,7 @@ def test_a_few_updates_raise_the_reward(tmp_path, models_dir):
         problems_per_iteration=8, group_size=8,
         update={"learning_rate": 1e-2, "finetune": "full", "minibatch_size": 32, "microbatch_size": 32, "epochs": 2},
     )
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     rewards = []
     for iteration in range(6):
         for stage in ("curate", "rollout", "score", "update"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from tests.conftest import smoke_config_in
 
@@ -21,7 +21,7 @@ def test_twenty_environment_campaign_runs_an_iteration(tmp_path, models_dir):
     config = smoke_config_in(tmp_path, models_dir, name="mix", environments=environments,
                              problems_per_iteration=20, group_size=2, eval={"problems_per_env": 1},
                              generation={"max_new_tokens": 8, "temperature": 1.0})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in STAGES:
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     store = rt.store

@@ -6,7 +6,7 @@ import pytest
 
 from evertrain.data.store import Store
 from evertrain.mix import counts, learnability, plan, shares
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
 
@@ -41,7 +41,7 @@ def test_curate_follows_the_mix_and_logs_every_change(tmp_path, models_dir):
                              mix={"adaptive": True, "window": 2, "floor": 0.1},
                              environments=[{"name": "arithmetic", "weight": 1}, {"name": "digits", "weight": 1},
                                            {"name": "gsm8k", "weight": 1}, {"name": "sql", "weight": 0}])
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     curate = STAGE_FUNCTIONS["curate"]
     first = run_stage(rt, "curate", 0, curate)
     # iteration 0: no history, every trained environment explored alike, sql (weight 0) not at all

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from tests.conftest import smoke_config_in
 
@@ -17,11 +17,11 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "rerun_a_stage.ip
 
 def test_notebook_reruns_a_stage(tmp_path, models_dir, monkeypatch):
     config = smoke_config_in(tmp_path, models_dir)
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in STAGES:  # a finished iteration, made without Prefect (the notebook does the rest)
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     before = rt.store.counts()
-    release_runtimes()  # the notebook's kernel is another process: let it open the DuckDB file
+    rt.close()  # the notebook's kernel is another process: let it open the DuckDB file
 
     config_file = tmp_path / "campaign.json"
     config_file.write_text(json.dumps(config.model_dump(mode="json")))
@@ -35,7 +35,7 @@ def test_notebook_reruns_a_stage(tmp_path, models_dir, monkeypatch):
                       for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
     assert "rerunning rollout of iteration 0" in outputs
     assert "mean_reward" in outputs
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     assert rt.store.counts() == before
     # the rerun really happened: the rollout stage's record is newer than the others
     times = rt.store.query("SELECT stage, finished_at FROM stage_runs WHERE iteration = 0").set_index("stage")
@@ -43,4 +43,4 @@ def test_notebook_reruns_a_stage(tmp_path, models_dir, monkeypatch):
     # what the notebook displayed is what the rerun stored (its metrics cell shows the stage's own numbers)
     stored = json.loads(rt.store.scalar("SELECT metrics FROM stage_runs WHERE iteration = 0 AND stage = 'rollout'"))
     assert f"'completion_tokens': {stored['completion_tokens']}" in outputs
-    release_runtimes()
+    rt.close()

@@ -16,7 +16,7 @@ import torch
 
 from evertrain.config import PathsConfig, load_config
 from evertrain.data.store import Store
-from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import ROOT, smoke_config_in
 
@@ -113,7 +113,7 @@ def test_moved_campaign_continues(tmp_path, api_url, monkeypatch):
 def test_unrestorable_optimizer_state_is_reported(tmp_path, models_dir, caplog):
     config = smoke_config_in(tmp_path, models_dir, name="optimizer", problems_per_iteration=4, group_size=4,
                              environments=[{"name": "digits", "weight": 1}])
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score", "update"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     # v2's optimizer state no longer fits its parameters (as after a change of LoRA rank)
@@ -126,4 +126,4 @@ def test_unrestorable_optimizer_state_is_reported(tmp_path, models_dir, caplog):
     tags = rt.tracker.client.get_run(rt.tracker.run_id(1)).data.tags
     assert tags["update.optimizer_state"].startswith("fresh: v2's optimizer state does not fit")
     assert rt.tracker.client.get_run(rt.tracker.run_id(0)).data.tags["update.optimizer_state"] == "fresh: base model"
-    release_runtimes()
+    rt.close()

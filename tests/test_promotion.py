@@ -10,7 +10,7 @@ import pytest
 
 from evertrain.config import PromotionConfig
 from evertrain.data.store import now
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from evertrain.tasks.promote import _consecutive_failures, ahead, decide, rollback
 from tests.conftest import smoke_config_in
@@ -100,7 +100,7 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
         update={"learning_rate": 1e-2, "finetune": "full", "minibatch_size": 32, "microbatch_size": 32, "epochs": 2},
         promotion={"confidence": 0.8, "bootstrap_samples": 500},
     )
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for iteration in range(5):
         for stage in STAGES:
             run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
@@ -140,7 +140,7 @@ def test_trainee_is_reset_to_the_champion_after_failed_gates(tmp_path, models_di
     config = smoke_config_in(tmp_path, models_dir, name="reset", environments=[{"name": "digits", "weight": 1}],
                              problems_per_iteration=4, group_size=4, eval={"problems_per_env": 4},
                              promotion={"min_gain": 1.0, "reset_after_failures": 2, "bootstrap_samples": 200})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for iteration in range(2):
         for stage in STAGES:
             run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
@@ -159,7 +159,7 @@ def test_a_refusal_for_want_of_evidence_does_not_count_toward_a_reset(tmp_path, 
     is behind, or regressed on an environment, is."""
     config = smoke_config_in(tmp_path, models_dir, name="ahead", environments=[{"name": "digits", "weight": 1}],
                              promotion={"reset_after_failures": 2, "max_regression": 0.05})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     rule = rt.config.promotion
     short = decide(_paired([1.0] * 18 + [0.0] * 82, [1.0] * 12 + [0.0] * 88), PromotionConfig(confidence=0.999), 1)
     assert not short["promoted"] and "P(better)" in short["reason"]

@@ -32,9 +32,10 @@ def configure(directory: Path, models_dir: Path, cluster: dict[str, object] | No
 
 
 def rows(config: CampaignConfig, sql: str) -> pd.DataFrame:
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
-    return get_runtime(config).store.query(sql, [config.name]).reset_index(drop=True)
+    with Runtime.open(config) as rt:
+        return rt.store.query(sql, [config.name]).reset_index(drop=True)
 
 
 PROBLEMS = "SELECT iteration, problem_id, env, prompt, payload FROM problems WHERE campaign = ? ORDER BY ALL"
@@ -52,12 +53,12 @@ def stage_metrics(config: CampaignConfig, stage: str) -> list[dict[str, float]]:
 def single_process(tmp_path_factory, models_dir):
     """The reference: the same two iterations in the flow's process (cluster = none)."""
     config = configure(tmp_path_factory.mktemp("none"), models_dir, None)
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
-    rt = get_runtime(config)
-    for iteration in (0, 1):
-        for stage in STAGES:
-            run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
+    with Runtime.open(config) as rt:
+        for iteration in (0, 1):
+            for stage in STAGES:
+                run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
     return config
 
 
@@ -116,10 +117,10 @@ def test_campaign_on_ray_equals_one_process(single_process, on_ray):
 def test_killed_worker_is_replaced_and_its_groups_redone_once(single_process, tmp_path, models_dir, ray_cluster,
                                                              monkeypatch):
     from evertrain.cluster import get_cluster
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
     config = configure(tmp_path, models_dir, RAY)
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     before = {id(worker) for worker in get_cluster(config).workers}
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     # the worker that receives shard 1 SIGKILLs itself with the shard sampled but not handed back

@@ -9,7 +9,7 @@ from mlflow.utils.file_utils import local_file_uri_to_path
 
 from evertrain.data.store import StoreError
 from evertrain.models.policy import load_policy
-from evertrain.runtime import get_runtime, release_runtimes
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from evertrain.tasks.promote import rollback
 from tests.conftest import smoke_config_in
@@ -21,7 +21,7 @@ def test_retention_keeps_aliases_and_deletes_the_rest(tmp_path, models_dir):
                              environments=[{"name": "digits", "weight": 1}],
                              promotion={"min_gain": 1.0, "confidence": 0.5, "bootstrap_samples": 200},
                              retention={"keep_challengers": 0})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for iteration in (0, 1):
         for stage in STAGES:
             run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
@@ -44,7 +44,7 @@ def test_retention_keeps_aliases_and_deletes_the_rest(tmp_path, models_dir):
     for version in (1, 3):
         load_policy(rt.checkpoint(version), trainable=False, device="cpu")
         assert (rt.tracker.download(version) / "evertrain_checkpoint.json").exists()
-    release_runtimes()
+    rt.close()
 
 
 def test_retention_off_keeps_everything(tmp_path, models_dir):
@@ -52,9 +52,9 @@ def test_retention_off_keeps_everything(tmp_path, models_dir):
 
     config = smoke_config_in(tmp_path, models_dir, name="keepall", problems_per_iteration=4, group_size=4,
                              environments=[{"name": "digits", "weight": 1}], retention={"keep_challengers": None})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score", "update"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     assert apply_retention(rt) == {"deleted_versions": [], "kept_versions": []}
     assert rt.checkpoint(2).exists()
-    release_runtimes()
+    rt.close()

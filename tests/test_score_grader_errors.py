@@ -8,7 +8,7 @@ import json
 import pytest
 
 from evertrain.envs.digits import Digits
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.sandbox import SandboxUnavailable
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
@@ -30,7 +30,7 @@ def _broken_for(problem_ids: set[str] | None, monkeypatch: pytest.MonkeyPatch) -
 def _scored_campaign(tmp_path, models_dir, **score):
     config = smoke_config_in(tmp_path, models_dir, environments=[{"name": "digits", "weight": 1}],
                              problems_per_iteration=8, group_size=4, score=score)
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     return rt

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from evertrain.data.store import now
 from evertrain.flows.campaign import next_iteration
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.sft import checkpoint_dir, checkpoint_for, sft
 from tests.conftest import smoke_config_in
@@ -24,7 +24,7 @@ def scored(tmp_path, models_dir):
     config = smoke_config_in(tmp_path, models_dir, environments=[{"name": "digits", "weight": 1}],
                              sft={"enabled": True, "select": ALL_OF_THIS_ITERATION, "max_examples": 6,
                                   "learning_rate": 5e-3, "batch_size": 3})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     return rt

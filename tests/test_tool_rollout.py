@@ -15,7 +15,7 @@ import torch
 from evertrain.envs.base import Problem
 from evertrain.envs.tools import replay_transcript
 from evertrain.models.policy import load_tokenizer
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import check_one_tool_call, smoke_config_in
 
@@ -51,7 +51,7 @@ def test_tool_rollout_is_stored_turn_by_turn_and_replays(tmp_path, models_dir):
                 "environments": [{"name": "sql", "weight": 1, "max_new_tokens": 160}],
                 "generation": {"temperature": 0.05, "max_new_tokens": 160}}
     probe = smoke_config_in(tmp_path / "probe", models_dir, **settings)
-    rt = get_runtime(probe)
+    rt = Runtime.open(probe)
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     row = rt.store.query("SELECT * FROM problems").iloc[0]
     env = rt.env("sql")
@@ -62,7 +62,7 @@ def test_tool_rollout_is_stored_turn_by_turn_and_replays(tmp_path, models_dir):
 
     config = smoke_config_in(tmp_path / "run", models_dir, **settings,
                              model={"path": str(tmp_path / "taught"), "rollout_dtype": "float32"})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     rollouts = rt.store.query("SELECT * FROM rollouts ORDER BY sample")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from evertrain.config import LoraConfig, UpdateConfig
 from evertrain.models.data_parallel import launch, write_spec
 from evertrain.models.policy import load_policy, write_base_checkpoint
-from evertrain.runtime import get_runtime, seed_for
+from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.update import check_data_parallel, dropout_settings
 from tests.conftest import smoke_config_in
@@ -46,7 +46,7 @@ def test_update_stage_in_two_processes_trains_like_one(tmp_path, models_dir):
         "path": "embedded:tiny", "device": "cpu", "models_dir": str(models_dir)}, update={
         "algorithm": "dr_grpo", "epochs": 2, "minibatch_size": 16, "microbatch_size": 4, "learning_rate": 1e-2,
         "weight_decay": 0.1, "kl_coef": 0.1, "kl_reference": "base", "skip_zero_variance": False})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     start_version = rt.trainee_version()
@@ -113,7 +113,7 @@ def test_unsupported_data_parallel_settings_are_refused(tmp_path, models_dir):
     config = smoke_config_in(tmp_path / "stage", models_dir,
                              model={"path": "embedded:tiny", "device": "cuda:1", "models_dir": str(models_dir)},
                              update={"processes": 2})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     with pytest.raises(ValueError, match=r"update\.processes = 2 takes one GPU per process"):
         run_stage(rt, "update", 0, STAGE_FUNCTIONS["update"])
     assert rt.store.scalar("SELECT status FROM stage_runs WHERE stage = 'update'") == "failed"

@@ -13,7 +13,7 @@ import torch
 
 from evertrain.config import UpdateConfig
 from evertrain.models.policy import load_policy, write_base_checkpoint
-from evertrain.runtime import get_runtime
+from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.sft import sft as sft_stage
 from evertrain.tasks.update import Group, Member, _train_here
@@ -26,7 +26,7 @@ def test_top_p_rollouts_are_recomputed_under_the_nucleus_they_were_sampled_from(
     config = smoke_config_in(tmp_path, models_dir, environments=[{"name": "digits", "weight": 1}],
                              generation={"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.6},
                              update={"minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     assert set(rt.store.query("SELECT DISTINCT top_p FROM rollouts")["top_p"]) == {0.6}
@@ -73,7 +73,7 @@ def test_optimizer_moments_are_not_restored_onto_an_adapter_sft_changed(tmp_path
                              sft={"enabled": True, "max_examples": 4, "learning_rate": 5e-3, "batch_size": 2,
                                   "select": "SELECT iteration, problem_id, sample FROM rollouts WHERE "
                                             "campaign = $campaign AND iteration = $iteration"})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score", "update"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     trained = rt.trainee_version()

@@ -46,13 +46,13 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def taught_model(vllm_model: Path) -> Path:
     """The tiny Llama taught (supervised, here) to reproduce the reference episode of one SQL problem."""
     from evertrain.envs.base import Problem
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, run_stage
     from tests.test_tool_rollout import _teach
 
     root = vllm_model.parents[1]
     probe = smoke_config_in(root / "probe", vllm_model.parent, **_tool_settings())
-    rt = get_runtime(probe)
+    rt = Runtime.open(probe)
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     row = rt.store.query("SELECT * FROM problems").iloc[0]
     env = rt.env("sql")
@@ -162,7 +162,7 @@ def test_full_weights_are_reloaded_in_place(vllm_model, tmp_path):
 def test_tool_episode_through_vllm(taught_model, tmp_path):
     from evertrain.envs.base import Problem
     from evertrain.envs.tools import replay_transcript
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 
     settings = _tool_settings()
@@ -170,7 +170,7 @@ def test_tool_episode_through_vllm(taught_model, tmp_path):
     config = smoke_config_in(tmp_path, taught_model.parent / "models", **settings,
                              model={"path": str(taught_model), "rollout_dtype": "float32",
                                     "models_dir": str(taught_model.parent / "models")})
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     for stage in ("curate", "rollout", "score"):
         run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
     rollouts = rt.store.query("SELECT * FROM rollouts ORDER BY sample")
@@ -196,7 +196,7 @@ def test_tool_episode_through_vllm(taught_model, tmp_path):
 def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_server):
     from evertrain.flows.campaign import campaign_flow
     from evertrain.models.sampler import _engines
-    from evertrain.runtime import get_runtime
+    from evertrain.runtime import Runtime
 
     config = smoke_config_in(tmp_path, vllm_model.parent,
                              model={"path": str(vllm_model), "rollout_dtype": "float32",
@@ -208,7 +208,7 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
                                      "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False})
     engines_before = set(_engines)
     assert campaign_flow(config, 2) == [0, 1]
-    rt = get_runtime(config)
+    rt = Runtime.open(config)
     # one engine served both iterations' rollouts and evaluations (a new one only if no earlier test started it)
     assert len(set(_engines) - engines_before) <= 1
     versions = rt.store.query("SELECT kind FROM model_versions WHERE campaign = ? ORDER BY version", [config.name])

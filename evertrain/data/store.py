@@ -221,7 +221,8 @@ def _retryable(error: Exception) -> bool:
 
 
 class Store(Queries):
-    """The store of one deployment. Use one writable instance per process (see :func:`open_store`)."""
+    """The store of one deployment. Whoever opens one closes it (a campaign's :class:`~evertrain.runtime.Runtime`
+    owns its own); several instances in one process may share the files (DuckLake, or one DuckDB file)."""
 
     def __init__(self, path: str | Path, read_only: bool = False) -> None:
         self.location = StoreLocation.parse(path)
@@ -288,6 +289,12 @@ class Store(Queries):
             handle.close()
         self._claims.clear()
         self.con.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- reading -------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
@@ -496,6 +503,10 @@ class Store(Queries):
                 handle.seek(0)
                 holder = handle.read().strip() or "unknown"
                 handle.close()
+                if holder == str(os.getpid()):
+                    raise StoreError(
+                        f"campaign {campaign!r} in store {self.location.describe()} is already open in this process "
+                        "(another Runtime of it is not closed): close it first, or pass the open one") from None
                 raise StoreError(
                     f"campaign {campaign!r} in store {self.location.describe()} is in use by another process "
                     f"(pid {holder}): one run per campaign at a time; wait for it to finish, or stop it. "
@@ -604,27 +615,6 @@ class Store(Queries):
         if frame.empty:
             raise StoreError(f"campaign {campaign!r} has no model version {version} in the store")
         return frame.iloc[0].to_dict()
-
-
-_open: dict[str, Store] = {}
-_open_lock = threading.Lock()
-
-
-def open_store(path: str | Path) -> Store:
-    """The process's one writable connection to the store at ``path`` (opened on first use)."""
-    key = resolve_uri(path)
-    with _open_lock:
-        if key not in _open:
-            _open[key] = Store(key)
-        return _open[key]
-
-
-def close_store(path: str | Path) -> None:
-    """Close the process's connection to ``path`` (and its campaign claims) so another process may take them."""
-    with _open_lock:
-        store = _open.pop(resolve_uri(path), None)
-    if store is not None:
-        store.close()
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, frame: pd.DataFrame, keys: tuple[str, ...]) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
 
 from evertrain.config import CampaignConfig
-from evertrain.data.store import Store, now, open_store, to_json
+from evertrain.data.store import Store, now, to_json
 from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
 from evertrain.serving.batching import Batcher, Job
@@ -280,7 +280,7 @@ class Endpoint:
         self.config = config
         self.serving = config.serving
         set_threads(config.torch_threads)
-        self.store = open_store(config.paths.store)
+        self.store = Store(config.paths.store)  # its own connection, closed by stop()
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
         self.writer: TraceWriter | None = None
@@ -384,6 +384,7 @@ class Endpoint:
             self.batcher.close()
         if self.writer is not None:
             self.writer.close()
+        self.store.close()
 
     # --- environments and tools --------------------------------------------------------------------
     def env(self, name: str) -> Environment:

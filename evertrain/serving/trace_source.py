@@ -35,15 +35,16 @@ def _normal(prompt: str) -> str:
 @cache
 def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
     """(environment, normalized prompt) of every held-out problem: a client may phrase the payload differently
-    (a content hash then differs), but the gate's question itself must never be trained on."""
+    (a content hash then differs), but the gate's question itself must never be trained on.
+
+    Cached by the config's JSON: a pure function of it (environments built here, no store or connection kept)."""
     from evertrain.config import CampaignConfig
-    from evertrain.runtime import get_runtime
+    from evertrain.envs import registry
 
     config = CampaignConfig.model_validate_json(config_json)
-    rt = get_runtime(config)
     held = set()
     for spec in config.environments:
-        env, gate = rt.env(spec.name), config.eval_size(spec.name)
+        env, gate = registry.get(spec.name, **spec.options), config.eval_size(spec.name)
         sealed = [p for split in SEALED_SPLITS
                   for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
         held |= {(spec.name, _normal(p.prompt)) for p in env.problems("eval", gate, config.seed) + sealed}

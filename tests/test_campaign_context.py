@@ -1,0 +1,97 @@
+"""The campaign context: opened once by the flow, passed to every stage, closed when the flow ends; no
+per-process caches of runtimes, store connections, clusters or engines."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from evertrain.data.store import Store, StoreError
+from tests.conftest import smoke_config_in
+
+
+def _claim_is_free(uri: str, campaign: str) -> bool:
+    """Whether a fresh connection may become ``campaign``'s writer (nothing in this process still holds it)."""
+    store = Store(uri)
+    try:
+        store.claim(campaign)
+        return True
+    except StoreError:
+        return False
+    finally:
+        store.close()
+
+
+def test_no_module_level_locator_or_resource_cache_is_left():
+    for module, names in {"evertrain.runtime": ("get_runtime", "release_runtimes", "_runtimes"),
+                          "evertrain.data.store": ("open_store", "close_store", "_open")}.items():
+        loaded = importlib.import_module(module)
+        assert not [name for name in names if hasattr(loaded, name)], module
+
+
+def test_two_contexts_in_one_process_own_their_own_store(tmp_path, models_dir):
+    from evertrain.runtime import Runtime
+
+    # two campaigns in one store: each context its own connection, each claims its own campaign
+    first = smoke_config_in(tmp_path, models_dir, name="first")
+    second = smoke_config_in(tmp_path, models_dir, name="second")
+    assert first.paths.store == second.paths.store
+    with Runtime.open(first) as a, Runtime.open(second) as b:
+        assert a.store is not b.store
+        b.store.set_campaign_state("second", trainee_version=7)
+        a.close()
+        assert a.closed and not b.closed
+        # closing one leaves the other usable, and writing
+        b.store.set_campaign_state("second", trainee_version=8)
+        assert b.store.campaign_state("second")["trainee_version"] == 8
+        assert _claim_is_free(first.paths.store, "first") and not _claim_is_free(first.paths.store, "second")
+    assert _claim_is_free(second.paths.store, "second")
+
+
+def test_a_second_context_of_an_open_campaign_is_refused_clearly(tmp_path, models_dir):
+    from evertrain.runtime import Runtime
+
+    config = smoke_config_in(tmp_path, models_dir, name="twice")
+    with Runtime.open(config), pytest.raises(StoreError, match="already open in this process"):
+        Runtime.open(config)
+    with Runtime.open(config) as again:  # closed: it may be opened again
+        assert again.store.campaign_state("twice") is None
+
+
+def test_campaign_flow_opens_one_context_passes_it_on_and_closes_it(tmp_path, models_dir, prefect_server):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    from evertrain.flows.campaign import campaign_flow
+
+    config = smoke_config_in(tmp_path, models_dir, name="ctx-flow", problems_per_iteration=4, group_size=4,
+                             environments=[{"name": "digits", "weight": 1}], eval={"problems_per_env": 4})
+    assert campaign_flow(config, 1) == [0]
+    # nothing of the campaign is left open in this process: another writer may claim it at once
+    assert _claim_is_free(config.paths.store, config.name)
+    with Store(config.paths.store, read_only=True) as store:
+        runs = store.query("SELECT stage, status, flow_run_id FROM stage_runs WHERE campaign = ?", [config.name])
+    assert set(runs["status"]) == {"completed"} and len(runs) == 6
+    # every stage ran inside the one iteration subflow, whose parent run still shows the config (the UI's form)
+    [iteration_run] = set(runs["flow_run_id"])
+    with get_client(sync_client=True) as client:
+        child = client.read_flow_run(iteration_run)
+        parent = client.read_flow_run(client.read_task_run(child.parent_task_run_id).flow_run_id)
+        assert parent.parameters["config"]["name"] == config.name
+        assert child.parameters["rt"] == "<Runtime>" and child.name == f"{config.name}-iteration-0"
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+        assert [c.id for c in children] == [child.id]
+
+
+def test_a_failed_campaign_flow_closes_its_context(tmp_path, models_dir, prefect_server):
+    from evertrain.flows.campaign import campaign_flow
+    from evertrain.models.sampler import BackendError
+
+    # a vLLM interpreter that does not exist: refused by the flow after it opened its context
+    config = smoke_config_in(tmp_path, models_dir, name="ctx-fail",
+                             generation={"backend": "vllm", "vllm_python": str(tmp_path / "no-python")})
+    with pytest.raises(BackendError, match="vllm_python"):
+        campaign_flow(config, 1)
+    assert _claim_is_free(config.paths.store, config.name)
