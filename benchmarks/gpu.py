@@ -66,7 +66,7 @@ def sampling_and_update(args: argparse.Namespace, record: dict[str, Any]) -> Non
         save_checkpoint,
         write_base_checkpoint,
     )
-    from evertrain.models.sampler import open_sampler, shutdown_engines
+    from evertrain.models.sampler import Engines, open_sampler
 
     device = torch.device(args.device)
     base = args.model
@@ -83,7 +83,8 @@ def sampling_and_update(args: argparse.Namespace, record: dict[str, Any]) -> Non
                        "vllm_gpu_memory_utilization": 0.5}})
     env = registry.get("arithmetic")
     began = time.perf_counter()
-    sampler, _ = open_sampler(config, checkpoint)
+    engines = Engines()
+    sampler, _ = open_sampler(config, checkpoint, engines)
     record["sampling"] = {"backend": backend, "startup_s": time.perf_counter() - began}
     prompts = [encode_chat(sampler.tokenizer, env.messages(p)) for p in env.problems("train", 16, 0)]
     held_out = [encode_chat(sampler.tokenizer, env.messages(p)) for p in env.problems("eval", 200, 0)]
@@ -134,10 +135,10 @@ def sampling_and_update(args: argparse.Namespace, record: dict[str, Any]) -> Non
         if "handoff" in args.only:
             lora = save_checkpoint(model, scratch / "v2", base)
             began = time.perf_counter()
-            _, seconds = open_sampler(config, lora)
+            _, seconds = open_sampler(config, lora, engines)
             record["handoff"] = {"backend": backend, "seconds": seconds, "wall_s": time.perf_counter() - began}
             print(json.dumps(record["handoff"]), flush=True)
-    shutdown_engines()
+    engines.close()
 
 
 def memory_variant(variant: str, device_name: str, rows: int, length: int, vocab: int) -> dict[str, Any]:

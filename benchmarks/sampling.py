@@ -71,7 +71,7 @@ def main() -> None:
     from evertrain.envs import registry
     from evertrain.models.convert import convert_smollm2
     from evertrain.models.policy import encode_chat, set_threads, write_base_checkpoint
-    from evertrain.models.sampler import open_sampler, shutdown_engines
+    from evertrain.models.sampler import Engines, open_sampler
 
     set_threads(None)
     base = convert_smollm2(ROOT / "state" / "models" / "SmolLM2-135M-Instruct")
@@ -85,7 +85,8 @@ def main() -> None:
         config = CampaignConfig.model_validate({"model": {"path": str(base), "rollout_dtype": dtype},
                                                 "generation": {"backend": backend}})
         began = time.perf_counter()
-        sampler, _ = open_sampler(config, checkpoint)
+        engines = Engines()  # this backend's engine, stopped before the next is measured
+        sampler, _ = open_sampler(config, checkpoint, engines)
         startup = time.perf_counter() - began
         engine_pid = sampler.engine.process.pid if backend == "vllm" else None
         tokenizer = sampler.tokenizer
@@ -99,7 +100,7 @@ def main() -> None:
                          "load_average": os.getloadavg()[0], **row})
             print(rows[-1], flush=True)
         del sampler
-        shutdown_engines()
+        engines.close()
         # saved after every backend: a long run interrupted still leaves what it measured
         path = save(args.results_name, {
             "settings": vars(args), "rows": rows, "load_average_before": load0,

@@ -79,7 +79,7 @@ def workload(config: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
     return problems, [SampleJob("arithmetic", problems, prompts, config.generation.max_new_tokens, seeds=seeds)]
 
 
-def run_once(config: Any, checkpoint: Path, jobs: list[Any], envs: Any) -> dict[str, Any]:
+def run_once(config: Any, checkpoint: Path, jobs: list[Any], envs: Any, pool: Any = None) -> dict[str, Any]:
     """Rollout + score of ``jobs`` through the stages' own functions; seconds of each part."""
     from evertrain.cluster import driver_policy, sample_jobs, verify_items
 
@@ -87,11 +87,12 @@ def run_once(config: Any, checkpoint: Path, jobs: list[Any], envs: Any) -> dict[
     sampler, tokenizer = driver_policy(config, checkpoint)
     load_cpu = sum(os.times()[:4]) - cpu0
     loaded = time.perf_counter()
-    outputs, fanout = sample_jobs(config, envs, checkpoint, 2, sampler, tokenizer, jobs, config.group_size)
+    outputs, fanout = sample_jobs(config, envs, checkpoint, 2, sampler, tokenizer, jobs, config.group_size,
+                                  cluster=pool)
     sampled = time.perf_counter()
     items = [("arithmetic", p, e.text) for job, (groups, _) in zip(jobs, outputs, strict=True)
              for p, group in zip(job.problems, groups, strict=True) for e in group]
-    verdicts, grading = verify_items(config, envs, items)
+    verdicts, grading = verify_items(config, envs, items, cluster=pool)
     done = time.perf_counter()
     # CPU seconds of the work itself (this process minus its model load, plus the Ray workers'): unlike wall
     # time, not inflated by other jobs on a shared machine
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4")
     args = parser.parse_args()
     os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
-    from evertrain.cluster import get_cluster, shutdown_clusters
+    from evertrain.cluster import disconnect_ray, open_cluster
     from evertrain.models.policy import resolve_base, set_threads
     from evertrain.runtime import quiet_libraries
 
@@ -185,21 +186,22 @@ def main() -> None:
         config = campaign(directory, args, cluster)
         print(f"Ray, {workers} worker(s) ...", flush=True)
         began = time.perf_counter()
-        pool = get_cluster(config)
+        pool = open_cluster(config)
         started = time.perf_counter() - began
         assert pool is not None
-        warm = run_once(config, checkpoint, jobs, envs)  # workers load the adapter: the object-store hand-off
+        warm = run_once(config, checkpoint, jobs, envs, pool)  # workers load the adapter: the object-store hand-off
         if workers == 1:
             handoff = {"kind": "lora", "via": "ray object store", "bytes": warm["cluster_handoff_bytes"],
                        "pack_put_s": warm["cluster_handoff_put_s"], "worker_load_s": warm["cluster_load_s"]}
-        timed = run_once(config, checkpoint, jobs, envs)
+        timed = run_once(config, checkpoint, jobs, envs, pool)
         same = all(a.completion_ids == b.completion_ids for (ga, _), (gb, _) in zip(
             timed["outputs"], none["outputs"], strict=True) for x, y in zip(ga, gb, strict=True)
             for a, b in zip(x, y, strict=True))
         rows.append({"cluster": "local", "workers": workers, "ray_start_s": started, "warmup_s": warm["seconds"],
                      "same_completions_as_none": same,
                      **{k: v for k, v in timed.items() if k not in ("outputs", "verdicts")}})
-        shutdown_clusters()
+        pool.shutdown()
+        disconnect_ray()  # each pool size on a Ray of its own size (num_cpus)
     for row in rows:
         row["completions_per_s"] = row["completions"] / row["seconds"]
         row["tokens_per_s"] = row["completion_tokens"] / row["sample_s"]

@@ -43,10 +43,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evertrain.config import CampaignConfig, ClusterConfig
 from evertrain.envs.base import Environment, Problem, Verdict
+
+if TYPE_CHECKING:
+    from evertrain.models.sampler import Engines
 
 # Test-only fault injection: ``EVERTRAIN_KILL_WORKER_AT=<stage>:<shard>`` makes the worker that first
 # receives that shard SIGKILL its own process after sampling it, before answering (read by the driver).
@@ -149,7 +152,7 @@ class RolloutWorker:
     """A Ray actor holding one sampler: the policy version it was last told to load, and its tokenizer."""
 
     def __init__(self, threads: int, config_json: str) -> None:
-        from evertrain.runtime import quiet_libraries
+        from evertrain.quiet import quiet_libraries
 
         quiet_libraries()
         os.environ["EVERTRAIN_PROGRESS"] = "0"
@@ -160,6 +163,9 @@ class RolloutWorker:
         self.env_options = {spec.name: dict(spec.options) for spec in self.config.environments}
         self.key: str | None = None  # the checkpoint held (see ``checkpoint_key``)
         self.sampler: Any = None  # the in-house sampler, or a vLLM engine's (generation.backend)
+        from evertrain.models.sampler import Engines
+
+        self.engines = Engines()  # this worker's vLLM engine, stopped with the worker's process
         self.envs: dict[str, Environment] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="evertrain-worker-"))
 
@@ -179,7 +185,7 @@ class RolloutWorker:
             self.sampler = None  # free the old version before the new one is built
         folder = unpack_checkpoint(packed, self.scratch / packed.key[:16])
         # the same sampler the flow's process would open, from the checkpoint rebuilt on this node
-        self.sampler, _ = open_sampler(self.config, folder)
+        self.sampler, _ = open_sampler(self.config, folder, self.engines)
         for old in self.scratch.iterdir():  # keep only the version now held (a vLLM engine may read it again)
             if old.name != packed.key[:16]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -215,7 +221,7 @@ def _grade(items: list[tuple[str, Problem, str]], env_options: dict[str, dict[st
            threads: int) -> tuple[list[Verdict], float, int]:
     """A Ray task: verdicts for (environment name, problem, completion) items, graded on this node."""
     from evertrain.envs import registry
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
     from evertrain.scoring import verify_many
 
     quiet_libraries()
@@ -411,49 +417,38 @@ class Cluster:
         return verdicts
 
 
-_clusters: dict[str, Cluster] = {}
-_clusters_lock = threading.Lock()
-
-
-def get_cluster(config: CampaignConfig) -> Cluster | None:
-    """This process's cluster for ``config`` (None when ``cluster.address = "none"``), started on first use."""
+def open_cluster(config: CampaignConfig) -> Cluster | None:
+    """A started cluster for ``config`` (None when ``cluster.address = "none"``): its workers belong to the caller
+    (a campaign's context opens one on first use), who stops them with :meth:`Cluster.shutdown`."""
     if not config.cluster.enabled:
         return None
-    # workers depend on everything but where the flow keeps its state: campaigns that differ only in paths
-    # (or name) share one pool
-    key = config.model_dump_json(exclude={"paths", "name"})
-    with _clusters_lock:
-        if key not in _clusters:
-            import ray
-
-            if ray.is_initialized() and _clusters:
-                # one Ray connection per process: a second config reuses it with a pool of its own
-                other = next(iter(_clusters.values())).config.address
-                if other != config.cluster.address:
-                    raise ClusterError(f"this process is connected to Ray at {other!r}; cannot also use "
-                                       f"cluster.address = {config.cluster.address!r}")
-            cluster = Cluster(config)
-            cluster.start()
-            _clusters[key] = cluster
-        return _clusters[key]
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
 
 
-def shutdown_clusters() -> None:
-    """Kill every worker this process started and disconnect from Ray (tests, benchmarks, the CLI's exit)."""
+def disconnect_ray() -> None:
+    """Disconnect this process from Ray (the connection Ray keeps per process; tests, benchmarks, an exit)."""
     import ray
 
-    with _clusters_lock:
-        for cluster in _clusters.values():
-            cluster.shutdown()
-        _clusters.clear()
-        if ray.is_initialized():
-            ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _needs_cluster(config: CampaignConfig) -> ClusterError:
+    return ClusterError(f"cluster.address = {config.cluster.address!r}: pass the campaign's cluster (rt.cluster, "
+                        "or open_cluster(config), which the caller shuts down)")
 
 
 def sample_jobs(config: CampaignConfig, env_of: Callable[[str], Environment], checkpoint: str | Path, version: int,
                 model: Any, tokenizer: Any, jobs: list[SampleJob], n: int, *, greedy: bool = False,
-                progress: Any = None) -> tuple[list[tuple[list[list[Any]], Any]], dict[str, float]]:
-    """(groups, stats) per job: in this process with ``model`` (cluster none) or on the cluster's workers.
+                progress: Any = None, cluster: Cluster | None = None,
+                ) -> tuple[list[tuple[list[list[Any]], Any]], dict[str, float]]:
+    """(groups, stats) per job: in this process with ``model`` (cluster none) or on ``cluster``'s workers.
 
     Returns also the fan-out's own metrics (empty without a cluster).
     """
@@ -461,7 +456,8 @@ def sample_jobs(config: CampaignConfig, env_of: Callable[[str], Environment], ch
 
     gen = config.generation
     options: dict[str, Any] = {"greedy": greedy} if greedy else {"temperature": gen.temperature, "top_p": gen.top_p}
-    cluster = get_cluster(config)
+    if cluster is None and config.cluster.enabled:
+        raise _needs_cluster(config)
     if cluster is None:
         outputs = [sample_episodes(model, tokenizer, env_of(job.env), job.problems, job.prompts, n,
                                    max_new_tokens=job.max_new_tokens, batch_size=gen.batch_size, seed=job.seed,
@@ -477,11 +473,12 @@ def sample_jobs(config: CampaignConfig, env_of: Callable[[str], Environment], ch
 
 
 def verify_items(config: CampaignConfig, env_of: Callable[[str], Environment], items: list[tuple[str, Problem, str]],
-                 progress: Any = None) -> tuple[list[Verdict], dict[str, float]]:
+                 progress: Any = None, cluster: Cluster | None = None) -> tuple[list[Verdict], dict[str, float]]:
     """Verdicts for (environment name, problem, completion) items: here, or in Ray tasks on the cluster."""
     from evertrain.scoring import verify_many
 
-    cluster = get_cluster(config)
+    if cluster is None and config.cluster.enabled:
+        raise _needs_cluster(config)
     if cluster is None:
         return verify_many([(env_of(env), problem, text) for env, problem, text in items], progress=progress), {}
     cluster.last = FanOutStats()
@@ -490,16 +487,16 @@ def verify_items(config: CampaignConfig, env_of: Callable[[str], Environment], i
                       "cluster_grade_processes": cluster.last.grade_processes}
 
 
-def driver_policy(config: CampaignConfig, checkpoint: str | Path) -> tuple[Any, Any]:
+def driver_policy(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None) -> tuple[Any, Any]:
     """(sampler, tokenizer) for the flow's process: on a cluster only the tokenizer (workers hold the model).
 
-    The sampler follows ``generation.backend`` (the in-house sampler, or this process's vLLM engine, started
-    once and kept); its weight hand-off is counted in the stage's ``weight_sync_s``.
+    The sampler follows ``generation.backend`` (the in-house sampler, or a vLLM engine of ``engines``, the
+    campaign context's, started once and kept); its weight hand-off is counted in the stage's ``weight_sync_s``.
     """
     from evertrain.models.policy import load_tokenizer, read_manifest
     from evertrain.models.sampler import open_sampler
 
     if config.cluster.enabled:
         return None, load_tokenizer(read_manifest(checkpoint)["base_model"])
-    sampler, _ = open_sampler(config, checkpoint)
+    sampler, _ = open_sampler(config, checkpoint, engines)
     return sampler, sampler.tokenizer

@@ -34,7 +34,7 @@ def export(rt: Runtime, out: Path, version: int | None = None, log_to_mlflow: bo
     from evertrain.models.policy import load_policy, read_manifest
 
     if version is None:
-        version = rt.tracker.alias("champion")
+        version = rt.store.champion_history(rt.campaign)[0]  # the store's lineage, not MLflow's projection of it
         if version is None:
             raise ExportError(f"campaign {rt.campaign!r} has no champion yet: run an iteration first, "
                               "or pass --version")

@@ -10,7 +10,7 @@ connection by accident and a closed campaign leaves no file open behind it.
 from __future__ import annotations
 
 import hashlib
-import os
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,35 +19,12 @@ from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, StoreError
 from evertrain.envs import registry
 from evertrain.envs.base import Environment
+from evertrain.quiet import quiet_libraries
 from evertrain.tracking import Tracker
 
 
 class EnvironmentInvalid(RuntimeError):
     """An environment whose grader failed validation: training on it would reward the wrong thing."""
-
-
-def quiet_libraries() -> None:
-    """No telemetry (nothing here reaches the internet), no hub calls, no per-file progress bars."""
-    for key, value in {
-        "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
-        # Prefect waits 20 s for its ephemeral server by default: on 2 busy cores it took longer (a benchmark
-        # worker failed "Timed out while attempting to connect to ephemeral Prefect API server")
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    }.items():
-        os.environ.setdefault(key, value)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    try:
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def seed_for(*parts: Any) -> int:
@@ -73,6 +50,9 @@ class Runtime:
         self._base_model: str | None = None
         self._owns_store = owns_store
         self._closed = False
+        self._cluster: Any = None  # evertrain.cluster.Cluster, started on first use (cluster.address not "none")
+        self._engines: Any = None  # evertrain.models.sampler.Engines, the vLLM engines this context started
+        self._lock = threading.Lock()  # stages of two iterations may run at once (update.mode = "async")
 
     @classmethod
     def open(cls, config: CampaignConfig) -> Runtime:
@@ -94,13 +74,54 @@ class Runtime:
             raise
         return cls(config=config, store=store, tracker=Tracker(config), owns_store=True)
 
+    @property
+    def cluster(self) -> Any:
+        """The campaign's Ray cluster (``evertrain.cluster.Cluster``), its workers started on first use; None when
+        ``cluster.address = "none"``. Its workers are stopped when this context closes."""
+        with self._lock:
+            if self._cluster is None and self.config.cluster.enabled:
+                self._check_open()
+                from evertrain.cluster import open_cluster
+
+                self._cluster = open_cluster(self.config)
+            return self._cluster
+
+    @property
+    def engines(self) -> Any:
+        """The vLLM engines this context's stages sample on (``evertrain.models.sampler.Engines``): started on
+        first use, kept across stages and iterations, stopped when this context closes."""
+        with self._lock:
+            if self._engines is None:
+                self._check_open()
+                from evertrain.models.sampler import Engines
+
+                self._engines = Engines()
+            return self._engines
+
+    @property
+    def started_engines(self) -> Any:
+        """This context's vLLM engines if any stage asked for one (None: none; asking starts nothing)."""
+        return self._engines
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"the context of campaign {self.campaign!r} is closed: open another (Runtime.open)")
+
     def close(self) -> None:
-        """Close what this context opened (its store connection, which releases its campaign claim)."""
+        """Close what this context opened: its cluster's workers, its vLLM engines, and its store connection
+        (which releases its campaign claim)."""
         if self._closed:
             return
         self._closed = True
-        if self._owns_store:
-            self.store.close()
+        try:
+            if self._cluster is not None:
+                self._cluster.shutdown()
+            if self._engines is not None:
+                self._engines.close()
+        finally:
+            self._cluster = self._engines = None
+            if self._owns_store:
+                self.store.close()
 
     @property
     def closed(self) -> bool:
@@ -172,10 +193,17 @@ class Runtime:
         return version
 
     def champion_version(self) -> int:
-        version = self.tracker.alias("champion")
+        """The campaign's champion, as the store's lineage events say (its last promotion decision or rollback,
+        else its base model). MLflow's ``champion`` alias is only their projection (Tracker.project_lineage): a
+        stale or missing alias does not change the answer."""
+        version, _ = self.store.champion_history(self.campaign)
         if version is None:
-            raise StoreError(f"registered model {self.tracker.model_name!r} has no champion alias")
+            raise StoreError(f"campaign {self.campaign!r} has no champion yet: run its first iteration")
         return version
+
+    def previous_champion_version(self) -> int | None:
+        """The last different champion before the current one, from the store's lineage events (None: none yet)."""
+        return self.store.champion_history(self.campaign)[1]
 
     def validate_environments(self) -> None:
         """Validate every environment of the campaign once (the verdict is kept in ``env_validations``).

@@ -10,7 +10,8 @@ in any process (the flow's, or a Ray rollout worker's) and says how long the han
 
 ``vllm`` talks to a long-lived engine process (:mod:`evertrain.models.vllm_engine`) run by the interpreter
 ``generation.vllm_python`` (vLLM cannot be installed beside Prefect: it pins other fastapi and torch
-versions). The engine is started once per process and config and kept across iterations; the base
+versions). The engine is started once per owner (:class:`Engines`: the campaign context's, a Ray worker's) and
+config, and kept across iterations until its owner closes; the base
 weights stay loaded. A policy version reaches it without a restart: a LoRA adapter through vLLM's LoRA
 support (one adapter id per checkpoint), or, for full fine-tuning, the weights reloaded in place (and
 the prefix cache dropped). Prefix caching is on; the engine's own count of cached prompt tokens is
@@ -24,7 +25,6 @@ Checkpoints are known by content (:func:`evertrain.models.policy.checkpoint_dige
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Listener
@@ -378,21 +379,50 @@ class VLLMSampler:
         return groups, stats
 
 
-_engines: dict[str, VLLMEngine] = {}
-_engines_lock = threading.Lock()
+class Engines:
+    """The vLLM engines one owner started (a campaign context, a Ray rollout worker, a benchmark), one per model
+    and engine settings, kept until the owner closes them: an engine starts in minutes on a small CPU, so once
+    per owner, never per stage."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, VLLMEngine] = {}
+        self._lock = threading.Lock()
+        # an owner that never closed them (a crash, an interrupted notebook): stopped when this object is collected
+        # or, at the latest, when the interpreter exits, so no engine process outlives its parent
+        weakref.finalize(self, _stop_engines, self._engines)
+
+    def get(self, config: CampaignConfig, base_model: str) -> VLLMEngine:
+        """The engine for ``config``'s model and engine settings, started on first use."""
+        options = engine_options(config, base_model)
+        python = vllm_python(config)
+        key = json.dumps([python, options], sort_keys=True)
+        with self._lock:
+            if key not in self._engines:
+                # what the engine cannot run is refused before it starts (minutes), not when it dies mid-rollout
+                _refuse_vllm(config, base_model)
+                self._engines[key] = VLLMEngine(python, options)
+            return self._engines[key]
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by these engines (their processes and workers): a stage's cost counts them
+        beside its own, since the engine does the sampling the stage waits on."""
+        with self._lock:
+            engines = list(self._engines.values())
+        return sum(process_tree_cpu(engine.process.pid) for engine in engines if engine.process.poll() is None)
+
+    def close(self) -> None:
+        """Stop every engine (their processes with them)."""
+        with self._lock:
+            _stop_engines(self._engines)
 
 
-def get_engine(config: CampaignConfig, base_model: str) -> VLLMEngine:
-    """This process's engine for ``config``'s model and engine settings, started on first use and kept."""
-    options = engine_options(config, base_model)
-    python = vllm_python(config)
-    key = json.dumps([python, options], sort_keys=True)
-    with _engines_lock:
-        if key not in _engines:
-            # what the engine cannot run is refused before it starts (minutes), not when it dies mid-rollout
-            _refuse_vllm(config, base_model)
-            _engines[key] = VLLMEngine(python, options)
-        return _engines[key]
+def _stop_engines(engines: dict[str, VLLMEngine]) -> None:
+    for engine in list(engines.values()):
+        engine.close()
+    engines.clear()
 
 
 def process_tree_cpu(pid: int) -> float:
@@ -409,25 +439,6 @@ def process_tree_cpu(pid: int) -> float:
             continue
         pending += [int(c) for c in children]
     return total
-
-
-def engines_cpu_seconds() -> float:
-    """CPU seconds used so far by this process's vLLM engines (their processes and workers): a stage's cost
-    counts them beside its own, since the engine does the sampling the stage waits on."""
-    with _engines_lock:
-        engines = list(_engines.values())
-    return sum(process_tree_cpu(engine.process.pid) for engine in engines if engine.process.poll() is None)
-
-
-def shutdown_engines() -> None:
-    """Stop every engine this process started (the end of a campaign process, tests)."""
-    with _engines_lock:
-        for engine in _engines.values():
-            engine.close()
-        _engines.clear()
-
-
-atexit.register(shutdown_engines)
 
 
 def vllm_python(config: CampaignConfig) -> str:
@@ -458,7 +469,8 @@ class Backend:
     name: str
     capabilities: Capabilities
     refuse: Callable[[CampaignConfig, str], None]  # raises BackendError for what it cannot run
-    open: Callable[[CampaignConfig, str | Path], tuple[Sampler, float]]
+    # (config, checkpoint, the engines of the caller: a vLLM engine is started once per owner and kept)
+    open: Callable[[CampaignConfig, str | Path, Engines | None], tuple[Sampler, float]]
 
 
 def _head_size(base_model: str) -> tuple[int, str] | None:
@@ -519,7 +531,7 @@ def _refuse_nothing(config: CampaignConfig, base_model: str) -> None:
     """The in-house sampler runs every causal LM transformers loads."""
 
 
-def _open_hf(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
+def _open_hf(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None) -> tuple[Sampler, float]:
     import torch
 
     from evertrain.models.policy import load_policy
@@ -530,11 +542,15 @@ def _open_hf(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, f
     return HFSampler(model, tokenizer), time.perf_counter() - began
 
 
-def _open_vllm(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
+def _open_vllm(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None,
+               ) -> tuple[Sampler, float]:
+    if engines is None:
+        raise BackendError("generation.backend = 'vllm' samples on an engine its owner keeps and stops: pass "
+                           "engines= (a campaign context's rt.engines, or an Engines() you close)")
     manifest = read_manifest(checkpoint)
     base = Path(manifest["base_model"]).expanduser()
     # manifests may hold paths relative to the working directory: one engine per model, however named
-    engine = get_engine(config, str(base.resolve()) if base.exists() else manifest["base_model"])
+    engine = engines.get(config, str(base.resolve()) if base.exists() else manifest["base_model"])
     digest = checkpoint_digest(checkpoint)
     _, seconds = engine.prepare(checkpoint, digest)
     return VLLMSampler(engine, checkpoint, digest), seconds
@@ -587,12 +603,14 @@ def check_backend(config: CampaignConfig, base_model: str) -> None:
         warnings.warn(note, BackendWarning, stacklevel=2)
 
 
-def open_sampler(config: CampaignConfig, checkpoint: str | Path) -> tuple[Sampler, float]:
+def open_sampler(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None,
+                 ) -> tuple[Sampler, float]:
     """A sampler for the policy in ``checkpoint`` under ``config.generation.backend``, and the hand-off seconds.
 
-    ``hf`` loads the weights into this process; ``vllm`` hands them to this process's engine (started on
-    first use: minutes on a small CPU, so once per process, never per stage).
+    ``hf`` loads the weights into this process; ``vllm`` hands them to an engine of ``engines`` (started on
+    first use: minutes on a small CPU, so once per owner, never per stage; the owner, e.g. the campaign's
+    context, stops it when it closes).
     """
-    sampler, seconds = backend_for(config).open(config, checkpoint)
+    sampler, seconds = backend_for(config).open(config, checkpoint, engines)
     record_sync(seconds)
     return sampler, seconds

@@ -47,7 +47,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     flow_run_id = current_flow_run_id()
     run_id, previous_status = rt.tracker.iteration_run(iteration, flow_run_id)
     started = now()
-    wall0, cpu0 = time.perf_counter(), cpu_seconds()
+    wall0, cpu0 = time.perf_counter(), cpu_seconds(rt.started_engines)
     from evertrain.models.sampler import sync_seconds
 
     sync0 = sync_seconds()  # weight hand-offs to samplers (loading a version, or giving it to the vLLM engine)
@@ -61,13 +61,13 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
         faults.current_stage.reset(token)
         rt.store.record_stage(
             rt.campaign, iteration, stage, "failed", started_at=started,
-            wall_s=time.perf_counter() - wall0, cpu_s=cpu_seconds() - cpu0, flow_run_id=flow_run_id,
+            wall_s=time.perf_counter() - wall0, cpu_s=cpu_seconds(rt.started_engines) - cpu0, flow_run_id=flow_run_id,
             error="".join(traceback.format_exception_only(error)).strip()[:2000],
         )
         rt.tracker.finish_run(run_id, "FAILED")
         raise
     faults.current_stage.reset(token)
-    wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
+    wall, cpu = time.perf_counter() - wall0, cpu_seconds(rt.started_engines) - cpu0
     if stage == "score":  # how diverse the samples were, from the rollouts as stored (report and MLflow)
         from evertrain.report import diversity_metrics
 
@@ -90,13 +90,12 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     return metrics
 
 
-def cpu_seconds() -> float:
-    """CPU seconds of this process (every thread), of its finished children (sandboxed graders) and of its
-    running vLLM engines (the sampling a stage waits on)."""
-    from evertrain.models.sampler import engines_cpu_seconds
-
+def cpu_seconds(engines: Any = None) -> float:
+    """CPU seconds of this process (every thread), of its finished children (sandboxed graders) and of the
+    running vLLM engines of ``engines`` (``evertrain.models.sampler.Engines``: the sampling a stage waits on)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system + engines_cpu_seconds()
+    engine_cpu = engines.cpu_seconds() if engines is not None else 0.0
+    return t.user + t.system + t.children_user + t.children_system + engine_cpu
 
 
 def stage_cost(rt: Runtime, metrics: dict[str, Any], wall: float, cpu: float) -> dict[str, float]:

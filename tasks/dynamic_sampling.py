@@ -90,7 +90,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
         if policy is None:
             version = rollout_version(rt, iteration, default=rt.trainee_version)
             checkpoint = rt.checkpoint(version)
-            policy = driver_policy(config, checkpoint)
+            policy = driver_policy(config, checkpoint, rt.engines)
         assert checkpoint is not None
         new_problems = [problem_row(rt, iteration, rt.env(p.env), p, round_) for p in fresh]
         rows, sandbox, round_stats, sample_fanout = sample_groups(
@@ -150,7 +150,7 @@ def _grade(rt: Runtime, iteration: int, rows: list[dict[str, Any]], by_id: dict[
     """Grade a round's rows in place (reward, passed, reason, detail, scored_at); return the sandbox audit rows
     (``sandbox`` and the graders' own) and the graders' fan-out metrics."""
     verdicts, grade_fanout = verify_items(
-        rt.config, rt.env, [(r["env"], by_id[r["problem_id"]], r["completion"]) for r in rows])
+        rt.config, rt.env, [(r["env"], by_id[r["problem_id"]], r["completion"]) for r in rows], cluster=rt.cluster)
     stamp = now()
     for row, verdict in zip(rows, verdicts, strict=True):
         sandbox += [{**run, "campaign": rt.campaign, "iteration": iteration} for run in pop_sandbox_runs(verdict)]

@@ -211,11 +211,13 @@ def _attempts(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], 
                               seeds=[seed_for(config.seed, "eval", version, p.id) for p in batch]))
     # model is None on a cluster: the greedy answers (and sampled attempts) fan out to its rollout workers
     checkpoint = rt.checkpoint(version)
-    greedy, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, 1, greedy=True, progress=bar)
+    greedy, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, 1, greedy=True, progress=bar,
+                            cluster=rt.cluster)
     for job, (groups, _) in zip(jobs, greedy, strict=True):
         out += [(p, 0, g[0]) for p, g in zip(job.problems, groups, strict=True)]
     if samples:
-        sampled, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, samples)
+        sampled, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, samples,
+                                 cluster=rt.cluster)
         for job, (groups, _) in zip(jobs, sampled, strict=True):
             out += [(p, i + 1, e) for p, g in zip(job.problems, groups, strict=True) for i, e in enumerate(g)]
     return out
@@ -251,7 +253,7 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
                              "completion_tokens": 0.0, "model_s": 0.0, "sandbox_runs": 0.0}
     if not todo:
         return rows, stats
-    model, tokenizer = driver_policy(config, rt.checkpoint(version))
+    model, tokenizer = driver_policy(config, rt.checkpoint(version), rt.engines)
     parts = slices(todo, config.eval.looks) if stop is not None else [todo]
     fractions = tuple((len(reusable) + sum(len(done) for done in parts[:look + 1])) / len(problems)
                       for look in range(len(parts)))
@@ -274,7 +276,7 @@ def _evaluate_part(rt: Runtime, model: Any, tokenizer: Any, problems: list[Probl
     began = time.perf_counter()
     attempts = _attempts(rt, model, tokenizer, problems, rt.config.eval.samples, version, bar)
     stats["model_s"] += time.perf_counter() - began
-    verdicts, _ = verify_items(rt.config, rt.env, [(p.env, p, e.text) for p, _, e in attempts])
+    verdicts, _ = verify_items(rt.config, rt.env, [(p.env, p, e.text) for p, _, e in attempts], cluster=rt.cluster)
     keys = {p.id: generation_key(rt, p) for p in problems}
     audit = [{**run, "campaign": rt.campaign, "iteration": iteration}
              for (_, _, e), v in zip(attempts, verdicts, strict=True) for run in e.sandbox_runs + pop_sandbox_runs(v)]

@@ -224,7 +224,7 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
     the trainee is reset to the restored champion: the next iteration samples from it.
     """
     current = rt.champion_version()
-    target = to_version if to_version is not None else rt.tracker.alias("previous_champion")
+    target = to_version if to_version is not None else rt.previous_champion_version()
     if target is None:
         raise StoreError(f"campaign {rt.campaign!r} has no previous_champion to roll back to; pass --to VERSION")
     if str(rt.store.model_version(rt.campaign, target)["kind"]).endswith("-deleted"):  # unknown: a clear error

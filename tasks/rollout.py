@@ -51,7 +51,8 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
         jobs.append(SampleJob(env_name, env_problems, [prompts[i] for i in rows], config.max_new_tokens(env_name),
                               seeds=[seed_for(config.seed, iteration, "rollout", p.id) for p in env_problems]))
     with progress(len(prompts) * G, f"{label:<8} i={iteration}", "completion") as bar:
-        outputs, fanout = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, G, progress=bar)
+        outputs, fanout = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, G, progress=bar,
+                                      cluster=rt.cluster)
     for env_groups, env_stats in outputs:
         groups += env_groups
         stats.merge(env_stats)
@@ -84,7 +85,7 @@ def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
         raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
     version = rollout_version(rt, iteration, default=rt.trainee_version)
     checkpoint = rt.checkpoint(version)
-    policy = driver_policy(config, checkpoint)  # on a cluster the workers hold the model
+    policy = driver_policy(config, checkpoint, rt.engines)  # on a cluster the workers hold the model
     began = time.perf_counter()
     rows, audit, stats, fanout = sample_groups(rt, iteration, problems, version, checkpoint, policy)
     seconds = time.perf_counter() - began

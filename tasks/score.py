@@ -38,7 +38,7 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     ]
     with progress(len(items), f"score    i={iteration}", "grade") as bar:
         # in this process, or in Ray tasks (each sandboxed on its node) when the campaign has a cluster
-        verdicts, fanout = verify_items(rt.config, rt.env, items, progress=bar)
+        verdicts, fanout = verify_items(rt.config, rt.env, items, progress=bar, cluster=rt.cluster)
     share = check_grader_errors(rt, iteration, verdicts)
     stamp = now()
     audit: list[dict[str, Any]] = []

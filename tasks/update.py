@@ -237,7 +237,7 @@ def normaliser_length(rt: Runtime, groups: list[Group]) -> int:
 
 def _drop_registration(rt: Runtime, iteration: int, start_version: int) -> None:
     """Undo what an earlier run of this iteration's update registered (a rerun that now trains nothing)."""
-    protected = {rt.tracker.alias("champion"), rt.tracker.alias("previous_champion")}
+    protected = set(rt.store.champion_history(rt.campaign))  # the champion and the one before it, as the store says
     dropped = [v for v in rt.tracker.versions_of(iteration) if v not in protected]
     for old_version in dropped:
         rt.tracker.delete_version(old_version)
@@ -476,8 +476,8 @@ def _train_elsewhere(rt: Runtime, iteration: int, groups: list[Group], schedule:
 
 def _register(rt: Runtime, iteration: int, path: Path, start_version: int) -> int:
     """Register ``path`` as this iteration's challenger and trainee, replacing what an earlier (or killed) run
-    of the stage registered, unless the registry already serves that as champion."""
-    protected = {rt.tracker.alias("champion"), rt.tracker.alias("previous_champion")}
+    of the stage registered, unless it is the champion or the one before it (as the store's lineage says)."""
+    protected = set(rt.store.champion_history(rt.campaign))
     for old_version in rt.tracker.versions_of(iteration):
         if old_version not in protected:
             rt.tracker.delete_version(old_version)

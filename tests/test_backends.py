@@ -97,19 +97,19 @@ def test_embedded_tiny_model_runs_on_every_backend(tmp_path):
 
 
 def test_vllm_refuses_a_head_size_its_cpu_attention_cannot_run(tmp_path):
-    from evertrain.models.sampler import BackendError, _engines, check_backend, open_sampler
+    from evertrain.models.sampler import BackendError, Engines, check_backend, open_sampler
     from evertrain.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "head16", hidden=64, heads=4)
     assert _head_size(model) == 16
     config = _vllm_config(model)
-    engines = set(_engines)
+    engines = Engines()
     for refuse in (lambda: check_backend(config, str(model)),
-                   lambda: open_sampler(config, write_base_checkpoint(tmp_path / "base", str(model)))):
+                   lambda: open_sampler(config, write_base_checkpoint(tmp_path / "base", str(model)), engines)):
         with pytest.raises(BackendError, match=r"head size 16.*vLLM.*CPU attention.*generation\.backend") as refused:
             refuse()
         assert str(model) in str(refused.value)
-    assert set(_engines) == engines  # refused before any engine was started
+    assert len(engines) == 0  # refused before any engine was started
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON}")

@@ -25,7 +25,9 @@ def _claim_is_free(uri: str, campaign: str) -> bool:
 
 def test_no_module_level_locator_or_resource_cache_is_left():
     for module, names in {"evertrain.runtime": ("get_runtime", "release_runtimes", "_runtimes"),
-                          "evertrain.data.store": ("open_store", "close_store", "_open")}.items():
+                          "evertrain.data.store": ("open_store", "close_store", "_open"),
+                          "evertrain.cluster": ("get_cluster", "shutdown_clusters", "_clusters"),
+                          "evertrain.models.sampler": ("get_engine", "shutdown_engines", "_engines")}.items():
         loaded = importlib.import_module(module)
         assert not [name for name in names if hasattr(loaded, name)], module
 
@@ -95,3 +97,54 @@ def test_a_failed_campaign_flow_closes_its_context(tmp_path, models_dir, prefect
     with pytest.raises(BackendError, match="vllm_python"):
         campaign_flow(config, 1)
     assert _claim_is_free(config.paths.store, config.name)
+
+
+def test_the_champion_is_the_stores_whatever_mlflows_alias_says(tmp_path, models_dir):
+    from evertrain.data.store import now
+    from evertrain.models.policy import write_base_checkpoint
+    from evertrain.runtime import Runtime
+    from evertrain.tasks.promote import rollback
+
+    config = smoke_config_in(tmp_path, models_dir, name="lineage", environments=[{"name": "digits", "weight": 1}])
+    with Runtime.open(config) as rt:
+        rt.ensure_started()
+        base = rt.champion_version()
+        other = write_base_checkpoint(tmp_path / "checkpoints" / "other", rt.base_model)
+        version = rt.tracker.register(other, run_id=None, iteration=0)
+        rt.store.replace("model_versions", {"campaign": "lineage", "version": version}, [{
+            "campaign": "lineage", "version": version, "iteration": 0, "kind": "full", "path": rt.stored_path(other),
+            "parent_version": base, "created_at": now()}])
+        rt.tracker.set_alias("champion", version)  # moved by hand: the store recorded no such event
+        assert rt.champion_version() == base and rt.previous_champion_version() is None
+        rt.store.record_rollback("lineage", base, version, "by hand, in the store")
+        rt.tracker.set_alias("champion", base)  # now stale the other way
+        assert (rt.champion_version(), rt.previous_champion_version()) == (version, base)
+        rt.tracker.client.delete_registered_model_alias(rt.tracker.model_name, "champion")  # and missing
+        assert rt.champion_version() == version
+        # a rollback without a target goes to the store's previous champion, not to MLflow's alias, and projects it
+        rt.tracker.set_alias("previous_champion", version)
+        assert rollback(rt)["champion"] == base
+        assert rt.champion_version() == base and rt.tracker.alias("champion") == base
+
+
+def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
+    from evertrain.models.policy import write_base_checkpoint
+    from evertrain.models.sampler import BackendError, Engines, open_sampler
+    from evertrain.runtime import Runtime
+
+    config = smoke_config_in(tmp_path, models_dir, name="owner",
+                             generation={"backend": "vllm", "vllm_python": str(tmp_path / "no-python")})
+    base = write_base_checkpoint(tmp_path / "base", str(models_dir / "tiny-llama"))
+    with pytest.raises(BackendError, match="engines="):  # no process-wide engine to fall back on
+        open_sampler(config, base)
+    engines = Engines()
+    with pytest.raises(BackendError, match="vllm_python"):  # with an owner: refused as before, nothing started
+        open_sampler(config, base, engines)
+    assert len(engines) == 0
+    rt = Runtime.open(config)
+    assert rt.started_engines is None and rt.cluster is None  # nothing is started until a stage asks
+    owned = rt.engines
+    rt.close()
+    assert rt.started_engines is None and len(owned) == 0
+    with pytest.raises(StoreError, match="is closed"):
+        _ = rt.engines

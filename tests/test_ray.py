@@ -32,10 +32,10 @@ def configure(directory: Path, models_dir: Path, cluster: dict[str, object] | No
 
 
 def rows(config: CampaignConfig, sql: str) -> pd.DataFrame:
-    from evertrain.runtime import Runtime
+    from evertrain.data.store import Store
 
-    with Runtime.open(config) as rt:
-        return rt.store.query(sql, [config.name]).reset_index(drop=True)
+    with Store(config.paths.store, read_only=True) as store:  # a reader: beside a context that holds the campaign
+        return store.query(sql, [config.name]).reset_index(drop=True)
 
 
 PROBLEMS = "SELECT iteration, problem_id, env, prompt, payload FROM problems WHERE campaign = ? ORDER BY ALL"
@@ -64,30 +64,34 @@ def single_process(tmp_path_factory, models_dir):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from evertrain.cluster import shutdown_clusters
+    from evertrain.cluster import disconnect_ray
 
     yield
-    shutdown_clusters()
+    disconnect_ray()
 
 
 @pytest.fixture(scope="module")
 def on_ray(tmp_path_factory, models_dir, prefect_server, ray_cluster):
-    from evertrain.flows.campaign import campaign_flow
+    """The campaign on Ray, in a context opened here (campaign_flow's own body, run_campaign), so the test can
+    look at the cluster the context owns before it is closed; then closed, as campaign_flow closes it."""
+    import ray
+
+    from evertrain.flows.campaign import run_campaign
+    from evertrain.runtime import Runtime
 
     config = configure(tmp_path_factory.mktemp("ray"), models_dir, RAY)
-    assert campaign_flow(config, 2) == [0, 1]
-    return config
+    with Runtime.open(config) as rt:
+        assert run_campaign(rt, 2) == [0, 1]
+        cluster = rt.cluster
+        assert cluster is not None and ray.is_initialized()
+        pids = set(ray.get([worker.pid.remote() for worker in cluster.workers]))
+        workers = list(cluster.workers)
+    return config, cluster, pids, workers
 
 
 def test_campaign_on_ray_equals_one_process(single_process, on_ray):
-    import ray
-
-    from evertrain.cluster import get_cluster
-
+    on_ray, cluster, pids, _ = on_ray
     # Ray really ran it: two worker processes, not this one, sampled several shards each iteration
-    cluster = get_cluster(on_ray)
-    assert cluster is not None and ray.is_initialized()
-    pids = set(ray.get([worker.pid.remote() for worker in cluster.workers]))
     assert len(pids) == 2 and __import__("os").getpid() not in pids
     for m in stage_metrics(on_ray, "rollout"):
         assert m["cluster_shards"] >= 4 and m["cluster_workers_used"] == 2
@@ -114,20 +118,28 @@ def test_campaign_on_ray_equals_one_process(single_process, on_ray):
         [m["mean_reward"] for m in stage_metrics(single_process, "score")]
 
 
+def test_closing_the_context_stops_its_workers(on_ray):
+    import ray
+
+    _, cluster, _, workers = on_ray
+    assert not cluster.workers  # the context shut its cluster down when it closed
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[0].pid.remote(), timeout=60)
+
+
 def test_killed_worker_is_replaced_and_its_groups_redone_once(single_process, tmp_path, models_dir, ray_cluster,
                                                              monkeypatch):
-    from evertrain.cluster import get_cluster
     from evertrain.runtime import Runtime
 
     config = configure(tmp_path, models_dir, RAY)
     rt = Runtime.open(config)
-    before = {id(worker) for worker in get_cluster(config).workers}
+    before = {id(worker) for worker in rt.cluster.workers}
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     # the worker that receives shard 1 SIGKILLs itself with the shard sampled but not handed back
     monkeypatch.setenv("EVERTRAIN_KILL_WORKER_AT", "rollout:1")
     metrics = run_stage(rt, "rollout", 0, STAGE_FUNCTIONS["rollout"])
     assert metrics["cluster_workers_replaced"] == 1
-    after = {id(worker) for worker in get_cluster(config).workers}
+    after = {id(worker) for worker in rt.cluster.workers}
     assert len(after - before) == 1, "exactly one worker should have been replaced"
     counts = rows(config, "SELECT problem_id, sample, count(*) AS n FROM rollouts WHERE campaign = ? GROUP BY ALL")
     assert (counts["n"] == 1).all(), "a group was written twice"
@@ -136,6 +148,7 @@ def test_killed_worker_is_replaced_and_its_groups_redone_once(single_process, tm
     iteration0 = ROLLOUTS.replace("WHERE campaign = ?", "WHERE campaign = ? AND iteration = 0")
     unscored = [c for c in rows(config, iteration0).columns if c not in ("reward", "passed", "reason")]
     pd.testing.assert_frame_equal(rows(config, iteration0)[unscored], rows(single_process, iteration0)[unscored])
+    rt.close()
 
 
 def test_groups_are_seeded_by_problem_not_by_place_in_the_batch(models_dir):
@@ -158,8 +171,8 @@ def test_groups_are_seeded_by_problem_not_by_place_in_the_batch(models_dir):
 
 
 def test_a_pool_that_leaves_no_cpu_for_grading_is_refused(on_ray, tmp_path, models_dir):
-    from evertrain.cluster import ClusterError, get_cluster
+    from evertrain.cluster import ClusterError, open_cluster
 
     greedy = configure(tmp_path, models_dir, {**RAY, "workers": 4})  # 4 x 0.5 CPUs + 0.5: more than the 2 there are
     with pytest.raises(ClusterError, match=r"offers 2 CPUs.*need 2\.5"):
-        get_cluster(greedy)
+        open_cluster(greedy)

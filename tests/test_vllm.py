@@ -37,9 +37,16 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("vllm")
     yield build_tiny_model(root / "models" / "tiny-llama", hidden=128)
-    from evertrain.models.sampler import shutdown_engines
 
-    shutdown_engines()
+
+@pytest.fixture(scope="module")
+def engines():
+    """The engines this module's samplers run on (one per model and settings), stopped at its end."""
+    from evertrain.models.sampler import Engines
+
+    owned = Engines()
+    yield owned
+    owned.close()
 
 
 @pytest.fixture(scope="module")
@@ -92,24 +99,24 @@ def _agreement(model, groups, prompts, temperature: float, top_p: float = 1.0) -
     return float(((trainer - engine).abs() * mask).max())
 
 
-def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_model, tmp_path):
+def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_model, tmp_path, engines):
     from peft import LoraConfig, get_peft_model
 
-    from evertrain.models.sampler import VLLMSampler, engines_cpu_seconds, open_sampler
+    from evertrain.models.sampler import VLLMSampler, open_sampler
 
     config = _config(vllm_model)
     base = write_base_checkpoint(tmp_path / "base", str(vllm_model))
-    sampler, _ = open_sampler(config, base)
+    sampler, _ = open_sampler(config, base, engines)
     assert isinstance(sampler, VLLMSampler)
     prompts = _prompts()
     from evertrain.tasks.base import cpu_seconds
 
-    own, engine_cpu, counted = os.times(), engines_cpu_seconds(), cpu_seconds()
+    own, engine_cpu, counted = os.times(), engines.cpu_seconds(), cpu_seconds(engines)
     groups, stats = sampler.sample(prompts, 4, max_new_tokens=12, temperature=0.9)
     # a stage's cost counts the engine's CPU (its processes sample while this one waits)
-    used = engines_cpu_seconds() - engine_cpu
+    used = engines.cpu_seconds() - engine_cpu
     mine = sum(os.times()[:2]) - sum(own[:2])
-    assert used > 0 and cpu_seconds() - counted >= used + mine - 0.05
+    assert used > 0 and cpu_seconds(engines) - counted >= used + mine - 0.05
     assert [len(g) for g in groups] == [4, 4, 4]
     assert all(len(s.logprobs) == len(s.completion_ids) > 0 for g in groups for s in g)
     model, _ = load_policy(base)
@@ -125,7 +132,7 @@ def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_mode
             torch.nn.init.normal_(weight, std=0.2)
     lora = save_checkpoint(peft, tmp_path / "v2", str(vllm_model))
     process = sampler.engine.process.pid
-    tuned, seconds = open_sampler(config, lora)
+    tuned, seconds = open_sampler(config, lora, engines)
     assert tuned.engine is sampler.engine and tuned.engine.process.pid == process and seconds > 0
     groups, _ = tuned.sample(prompts, 4, max_new_tokens=12, temperature=0.9)
     merged, _ = load_policy(lora)
@@ -138,7 +145,7 @@ def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_mode
     assert _agreement(merged, groups, prompts, 0.9) > TOLERANCE
 
 
-def test_full_weights_are_reloaded_in_place(vllm_model, tmp_path):
+def test_full_weights_are_reloaded_in_place(vllm_model, tmp_path, engines):
     from evertrain.models.sampler import open_sampler
 
     config = _config(vllm_model, finetune="full")
@@ -149,11 +156,11 @@ def test_full_weights_are_reloaded_in_place(vllm_model, tmp_path):
             weight.add_(torch.randn_like(weight) * 0.05)
     full = save_checkpoint(model, tmp_path / "full", str(vllm_model))
     prompts = _prompts()
-    sampler, _ = open_sampler(config, full)
+    sampler, _ = open_sampler(config, full, engines)
     groups, _ = sampler.sample(prompts, 2, max_new_tokens=10, temperature=1.0)
     assert _agreement(load_policy(full)[0], groups, prompts, 1.0) < TOLERANCE
     # back to the base weights in the same engine: the prefix cache must not serve the old weights' KV
-    again, _ = open_sampler(config, base)
+    again, _ = open_sampler(config, base, engines)
     assert again.engine is sampler.engine
     groups, _ = again.sample(prompts, 2, max_new_tokens=10, temperature=1.0)
     assert _agreement(load_policy(base)[0], groups, prompts, 1.0) < TOLERANCE
@@ -186,16 +193,15 @@ def test_tool_episode_through_vllm(taught_model, tmp_path):
     assert "weight_sync_s" in metrics and metrics["cached_prompt_tokens"] > 0
     # the weights the engine was handed are, by content, those of the policy version the rollouts name
     from evertrain.models.policy import checkpoint_digest
-    from evertrain.models.sampler import get_engine
-
     (version,) = set(rollouts["policy_version"])
-    assert get_engine(config, rt.base_model).served == checkpoint_digest(rt.checkpoint(int(version)))
+    assert len(rt.engines) == 1  # the context's one engine, which the stages shared
+    assert rt.engines.get(config, rt.base_model).served == checkpoint_digest(rt.checkpoint(int(version)))
+    rt.close()
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_server):
-    from evertrain.flows.campaign import campaign_flow
-    from evertrain.models.sampler import _engines
+    from evertrain.flows.campaign import run_campaign
     from evertrain.runtime import Runtime
 
     config = smoke_config_in(tmp_path, vllm_model.parent,
@@ -206,11 +212,10 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
                                          "temperature": 1.0},
                              update={"finetune": finetune, "learning_rate": 1e-3 if finetune == "full" else 1e-2,
                                      "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False})
-    engines_before = set(_engines)
-    assert campaign_flow(config, 2) == [0, 1]
-    rt = Runtime.open(config)
-    # one engine served both iterations' rollouts and evaluations (a new one only if no earlier test started it)
-    assert len(set(_engines) - engines_before) <= 1
+    rt = Runtime.open(config)  # campaign_flow's body in a context opened here: its engines can be counted
+    assert run_campaign(rt, 2) == [0, 1]
+    # one engine, the context's, served both iterations' rollouts and evaluations
+    assert len(rt.engines) == 1
     versions = rt.store.query("SELECT kind FROM model_versions WHERE campaign = ? ORDER BY version", [config.name])
     assert versions["kind"].tolist() == ["base", finetune, finetune]
     rollouts = rt.store.query("SELECT iteration, policy_version, logprobs, completion_ids FROM rollouts")
@@ -224,3 +229,4 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
         if row.stage == "update":
             # the correction runs on every group; float32 engine and float32 trainer nearly agree
             assert metrics["mismatch_kl"] < 1e-3 and metrics["is_clipped_share"] == 0.0
+    rt.close()

@@ -30,9 +30,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from evertrain.models.tiny import build_tiny_model
 
     yield build_tiny_model(tmp_path_factory.mktemp("vllm-backend") / "tiny-llama")
-    from evertrain.models.sampler import shutdown_engines
 
-    shutdown_engines()
+
+@pytest.fixture(scope="module")
+def engines():
+    """The engines this module's samplers run on, stopped at its end."""
+    from evertrain.models.sampler import Engines
+
+    owned = Engines()
+    yield owned
+    owned.close()
 
 
 def _config(model: Path, finetune: str) -> CampaignConfig:
@@ -75,7 +82,7 @@ def _policy(tiny: Path, base: Path, finetune: str, seed: int):
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_a_checkpoint_folder_rewritten_in_place_is_served_anew(tiny, tmp_path, finetune):
+def test_a_checkpoint_folder_rewritten_in_place_is_served_anew(tiny, tmp_path, finetune, engines):
     from evertrain.models.policy import checkpoint_digest
     from evertrain.models.sampler import open_sampler
 
@@ -86,14 +93,14 @@ def test_a_checkpoint_folder_rewritten_in_place_is_served_anew(tiny, tmp_path, f
 
     save_checkpoint(_policy(tiny, base, finetune, seed=1), folder, str(tiny))
     first = load_policy(folder)[0]
-    sampler, _ = open_sampler(config, folder)
+    sampler, _ = open_sampler(config, folder, engines)
     groups, _ = sampler.sample(prompts, 3, max_new_tokens=10, temperature=1.0)
     assert _gap(first, groups, prompts) < TOLERANCE
     assert sampler.engine.served == checkpoint_digest(folder)  # the engine read these very bytes
 
     save_checkpoint(_policy(tiny, base, finetune, seed=2), folder, str(tiny))  # the rerun: same folder, new weights
     second = load_policy(folder)[0]
-    again, seconds = open_sampler(config, folder)
+    again, seconds = open_sampler(config, folder, engines)
     assert again.engine is sampler.engine and seconds > 0  # handed over again, to the same engine
     groups, _ = again.sample(prompts, 3, max_new_tokens=10, temperature=1.0)
     assert _gap(second, groups, prompts) < TOLERANCE  # the new weights are served...

@@ -30,7 +30,6 @@ import os
 import re
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import Any
 
 import duckdb
 import pandas as pd
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_incrementing
 
 from evertrain import faults
 from evertrain.data import schema
@@ -214,10 +214,19 @@ def _follow_moved_data(catalog: Path, data_path: str) -> None:
 
 # The SQLite catalog stays in SQLite's default rollback-journal mode (WAL was not needed: readers that meet a
 # commit in progress retry, see Store._retry_read).
-def _retryable(error: Exception) -> bool:
+def _retryable(error: BaseException) -> bool:
     """A write that lost a race: another writer committed to the same table, or held the SQLite catalog."""
+    if not isinstance(error, duckdb.Error):
+        return False
     text = str(error).lower()
     return any(s in text for s in ("conflict", "database is locked", "could not serialize", "deadlock"))
+
+
+def _lost_races(attempts: int, wait: Any) -> Retrying:
+    """Try again what lost a race with another writer (:func:`_retryable`), ``attempts`` times in all, waiting
+    ``wait`` between tries; anything else, or the last try's error, is raised as it was."""
+    return Retrying(retry=retry_if_exception(_retryable), stop=stop_after_attempt(attempts), wait=wait,
+                    reraise=True)
 
 
 class Store(Queries):
@@ -316,14 +325,11 @@ class Store(Queries):
         return None if row is None else row[0]
 
     def _retry_read(self, read: Callable[[], Any]) -> Any:
-        for attempt in range(50):
-            try:
-                return read()
-            except duckdb.Error as error:
-                if not (self.lake and _retryable(error)) or attempt == 49:
-                    raise
-                time.sleep(min(0.02 * 2 ** attempt, 1.0))
-        raise AssertionError("unreachable")
+        """A DuckLake read that met a commit in progress is read again (a DuckDB file has no such race)."""
+        if not self.lake:
+            return read()
+        # 50 tries, 0.02 s doubling to at most 1 s between them (about 40 s in all)
+        return _lost_races(50, wait_exponential(multiplier=0.02, max=1.0))(read)
 
     def counts(self) -> dict[str, int]:
         """Row count of every table: what rerun-safety tests compare."""
@@ -349,26 +355,25 @@ class Store(Queries):
                attempts: int = 20) -> Any:
         """Run ``body`` in one transaction and commit it, again from the start if it lost a race with
         another writer (DuckLake detects conflicting commits; the loser's transaction is rolled back whole)."""
+        def once() -> Any:
+            with self._writer_lock():  # released while waiting to try again: other writers may commit meanwhile
+                self.con.execute("BEGIN TRANSACTION")
+                try:
+                    result = body(self.con)
+                    if faults_point:
+                        faults.maybe_kill(faults_point)
+                    self.con.execute("COMMIT")
+                except BaseException:
+                    _rollback(self.con)
+                    raise
+                self._writes += 1
+                return result
+
         with self._lock:
-            for attempt in range(attempts):
-                with self._writer_lock():
-                    self.con.execute("BEGIN TRANSACTION")
-                    try:
-                        result = body(self.con)
-                        if faults_point:
-                            faults.maybe_kill(faults_point)
-                        self.con.execute("COMMIT")
-                        self._writes += 1
-                        return result
-                    except duckdb.Error as error:
-                        _rollback(self.con)
-                        if not (self.lake and _retryable(error)) or attempt == attempts - 1:
-                            raise
-                    except BaseException:
-                        _rollback(self.con)
-                        raise
-                time.sleep(min(0.05 * 2 ** attempt, 2.0))
-        raise AssertionError("unreachable")
+            if not self.lake:  # a DuckDB file has one writer process: no race to lose
+                return once()
+            # ``attempts`` tries, 0.05 s doubling to at most 2 s between them
+            return _lost_races(attempts, wait_exponential(multiplier=0.05, max=2.0))(once)
 
     @contextmanager
     def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -542,21 +547,15 @@ class Store(Queries):
             return {}
         before = self.disk_usage()
         cutoff = now().timestamp() - keep_seconds
+        def maintain() -> None:
+            self.con.execute(f"CALL ducklake_merge_adjacent_files('{LAKE}')")
+            self.con.execute(f"CALL ducklake_expire_snapshots('{LAKE}', older_than => to_timestamp(?))", [cutoff])
+            self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))", [cutoff])
+            self.con.execute(f"CALL ducklake_delete_orphaned_files('{LAKE}', older_than => to_timestamp(?))", [cutoff])
+
         with self._lock, self._writer_lock():
-            for attempt in range(20):
-                try:
-                    self.con.execute(f"CALL ducklake_merge_adjacent_files('{LAKE}')")
-                    self.con.execute(f"CALL ducklake_expire_snapshots('{LAKE}', older_than => to_timestamp(?))",
-                                     [cutoff])
-                    self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))",
-                                     [cutoff])
-                    self.con.execute(f"CALL ducklake_delete_orphaned_files('{LAKE}', older_than => to_timestamp(?))",
-                                     [cutoff])
-                    break
-                except duckdb.Error as error:
-                    if not _retryable(error) or attempt == 19:
-                        raise
-                    time.sleep(0.1 * (attempt + 1))
+            # 20 tries, waiting 0.1 s more each time (0.1, 0.2, ... 1.9 s)
+            _lost_races(20, wait_incrementing(start=0.1, increment=0.1))(maintain)
         return {"before": before, "after": self.disk_usage()}
 
     def disk_usage(self) -> dict[str, int]:

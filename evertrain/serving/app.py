@@ -306,6 +306,7 @@ class Endpoint:
         self._metrics_run: str | None = None
         self._metrics_step = 0
         self._stop_metrics = threading.Event()
+        self._metrics_thread: threading.Thread | None = None
 
     # --- life cycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -316,7 +317,9 @@ class Endpoint:
                                       compact_keep_seconds=self.serving.compact_keep_seconds)
         self.champion.start()
         if self.serving.trace:
-            threading.Thread(target=self._log_metrics_loop, name="evertrain-live-metrics", daemon=True).start()
+            self._metrics_thread = threading.Thread(target=self._log_metrics_loop, name="evertrain-live-metrics",
+                                                    daemon=True)
+            self._metrics_thread.start()
 
     def log_live_metrics(self) -> dict[str, float]:
         """Log the live pass rate per environment and tool to MLflow (run 'endpoint'): the served version's
@@ -374,6 +377,8 @@ class Endpoint:
 
     def stop(self) -> None:
         self._stop_metrics.set()
+        if self._metrics_thread is not None:  # it reads the store, which is closed below
+            self._metrics_thread.join(timeout=30)
         if self._metrics_run is not None:
             with contextlib.suppress(Exception):
                 self.champion.tracker.finish_run(self._metrics_run)

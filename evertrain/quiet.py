@@ -1,0 +1,33 @@
+"""Quiet third-party libraries: no telemetry, no hub calls, no progress bars (this machine has no internet).
+
+Its own module, below everything that opens a process's libraries: the campaign context (evertrain.runtime)
+and a Ray rollout worker (evertrain.cluster, which the context opens) both call it.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def quiet_libraries() -> None:
+    """No telemetry (nothing here reaches the internet), no hub calls, no per-file progress bars."""
+    for key, value in {
+        "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
+        # Prefect waits 20 s for its ephemeral server by default: on 2 busy cores it took longer (a benchmark
+        # worker failed "Timed out while attempting to connect to ephemeral Prefect API server")
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    }.items():
+        os.environ.setdefault(key, value)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
