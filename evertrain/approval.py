@@ -216,10 +216,11 @@ def paused_promotions(campaign: str) -> list[dict[str, Any]]:
         runs = client.read_flow_runs(flow_run_filter=paused)
     found = []
     for run in runs:
+        # an iteration subflow takes the campaign's context (recorded as "<Runtime>"), and is tagged with its campaign
         config = run.parameters.get("config")
         name = config.get("name") if isinstance(config, dict) else getattr(config, "name", None)
         key = str(run.state.state_details.pause_key or "") if run.state else ""
-        if name == campaign and key.startswith("approval-"):
+        if (name == campaign or f"campaign:{campaign}" in (run.tags or [])) and key.startswith("approval-"):
             found.append({"flow_run_id": run.id, "iteration": run.parameters.get("iteration"), "name": run.name,
                           "state": run.state})
     return sorted(found, key=lambda r: (r["iteration"] is None, r["iteration"]))

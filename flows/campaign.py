@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
+from prefect import flow, tags
 
 from evertrain.config import CampaignConfig
 from evertrain.drift import campaign_run_name
@@ -84,7 +84,10 @@ def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
     finished: list[int] = []
     while iterations is None or len(finished) < iterations:
         iteration = next_iteration(rt)
-        iteration_flow(rt, iteration)
+        # the subflow's parameters hold the context, not the config: the tag names its campaign (the Prefect UI's
+        # filter, and how `evertrain approve` finds a paused promotion of the campaign)
+        with tags(f"campaign:{rt.campaign}"):
+            iteration_flow(rt, iteration)
         finished.append(iteration)
         if (iteration + 1) % COMPACT_EVERY == 0:
             # every stage write adds Parquet files to a DuckLake store: merge them so readers (and the

@@ -82,6 +82,7 @@ def test_campaign_flow_opens_one_context_passes_it_on_and_closes_it(tmp_path, mo
         parent = client.read_flow_run(client.read_task_run(child.parent_task_run_id).flow_run_id)
         assert parent.parameters["config"]["name"] == config.name
         assert child.parameters["rt"] == "<Runtime>" and child.name == f"{config.name}-iteration-0"
+        assert f"campaign:{config.name}" in child.tags  # what names its campaign (evertrain approve finds it so)
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
         assert [c.id for c in children] == [child.id]
@@ -148,3 +149,21 @@ def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
     assert rt.started_engines is None and len(owned) == 0
     with pytest.raises(StoreError, match="is closed"):
         _ = rt.engines
+
+
+def test_an_endpoint_borrows_the_store_it_is_given_and_closes_only_its_own(tmp_path, models_dir):
+    from evertrain.runtime import Runtime
+    from evertrain.serving.app import Endpoint
+
+    config = smoke_config_in(tmp_path, models_dir, name="lender")
+    with Runtime.open(config) as rt:
+        rt.ensure_started()
+        borrowing = Endpoint(config, rt.store)
+        assert borrowing.store is rt.store
+        borrowing.stop()
+        assert rt.store.campaign_state("lender") is not None  # still open: the endpoint closed nothing of the context's
+        owning = Endpoint(config)
+        assert owning.store is not rt.store
+        owning.stop()
+        with pytest.raises(Exception, match="closed"):
+            owning.store.query("SELECT 1")

@@ -94,7 +94,7 @@ def live(tmp_path_factory, models_dir):
     rt.store.replace("model_versions", {"campaign": "live", "version": version}, [{
         "campaign": "live", "version": version, "iteration": 0, "kind": "full", "path": rt.stored_path(other),
         "parent_version": 1, "created_at": now()}])
-    with EndpointServer(config, port=0) as server:
+    with EndpointServer(config, port=0, store=rt.store) as server:  # the context's connection, shared
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield config, rt, server, client
 
@@ -361,8 +361,9 @@ def test_hot_swap_under_a_concurrent_client(live):
     try:
         time.sleep(1.5)
         promoted = time.monotonic()
-        rt.tracker.set_alias("champion", 2)  # what the promote stage does when the gate passes
-        rt.tracker.set_alias("previous_champion", 1)
+        # the champion moved in the store (the lineage's authority), projected onto MLflow's aliases, as the
+        # promote stage does when the gate passes
+        rollback(rt, to_version=2, reason="v2 promoted by hand")
         to_v2 = served_since(promoted, "live@v2")
         time.sleep(1.0)
         rolled = time.monotonic()

@@ -57,7 +57,7 @@ def on_vllm(tmp_path_factory, models_dir):
     rt.store.replace("model_versions", {"campaign": "vl", "version": version}, [{
         "campaign": "vl", "version": version, "iteration": 0, "kind": "lora", "path": rt.stored_path(lora),
         "parent_version": 1, "created_at": now()}])
-    with EndpointServer(config, port=0) as server:
+    with EndpointServer(config, port=0, store=rt.store) as server:  # the context's connection, shared
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
         yield config, rt, server, client, version
 

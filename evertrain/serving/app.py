@@ -274,13 +274,17 @@ class ChatRequest:
 class Endpoint:
     """The endpoint's state: config, store, champion, trace writer, and the executors that do the work."""
 
-    def __init__(self, config: CampaignConfig) -> None:
+    def __init__(self, config: CampaignConfig, store: Store | None = None) -> None:
         from evertrain.models.policy import set_threads
 
         self.config = config
         self.serving = config.serving
         set_threads(config.torch_threads)
-        self.store = Store(config.paths.store)  # its own connection, closed by stop()
+        # its own connection, closed by stop(); or, in a process that already holds one to the same store (a
+        # campaign's context: Runtime.store), that one, borrowed: two connections of one process to a DuckLake
+        # SQLite catalog contend for it ("database is locked") where one connection's statements take turns
+        self._owns_store = store is None
+        self.store = Store(config.paths.store) if store is None else store
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
         self.writer: TraceWriter | None = None
@@ -389,7 +393,8 @@ class Endpoint:
             self.batcher.close()
         if self.writer is not None:
             self.writer.close()
-        self.store.close()
+        if self._owns_store:
+            self.store.close()
 
     # --- environments and tools --------------------------------------------------------------------
     def env(self, name: str) -> Environment:
@@ -904,10 +909,11 @@ async def _sse(response: dict[str, Any], include_usage: bool) -> Any:
 class EndpointServer:
     """uvicorn serving :func:`create_app` in a background thread (tests, benchmarks, the Prefect flow)."""
 
-    def __init__(self, config: CampaignConfig, host: str | None = None, port: int | None = None) -> None:
+    def __init__(self, config: CampaignConfig, host: str | None = None, port: int | None = None,
+                 store: Store | None = None) -> None:
         import uvicorn
 
-        self.endpoint = Endpoint(config)
+        self.endpoint = Endpoint(config, store)
         self.app = create_app(self.endpoint)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host=host or config.serving.host, port=config.serving.port if port is None else port,
