@@ -110,9 +110,9 @@ def driver_write_rate(directory: Path, config: Any, jobs: list[Any], outputs: li
     """Rows per second the flow's process writes: rollout rows in one transaction, then their scores."""
     import pandas as pd
 
-    from evertrain.data.store import now, open_store, to_json
+    from evertrain.data.store import Store, now, to_json
 
-    store = open_store(directory / "writes.duckdb")
+    store = Store(directory / "writes.duckdb")  # closed once measured
     rows, scores = [], []
     stamp = now()
     for job, (groups, _) in zip(jobs, outputs, strict=True):
@@ -136,6 +136,7 @@ def driver_write_rate(directory: Path, config: Any, jobs: list[Any], outputs: li
         written = time.perf_counter()
         store.update_rollout_scores("scale", 0, pd.DataFrame(scores))
         timings.append((written - began, time.perf_counter() - written))
+    store.close()
     write_s = min(t[0] for t in timings)
     score_s = min(t[1] for t in timings)
     return {"rows": len(rows), "rollout_write_s": write_s, "score_write_s": score_s,
