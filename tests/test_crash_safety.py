@@ -14,6 +14,7 @@ import pytest
 from evertrain.data.store import Store
 from evertrain.tasks import STAGES
 from tests.conftest import smoke_config_in, store_uri
+from tests.preloaded import Preloader
 
 POINTS = ("start", "before_commit", "end")  # every point evertrain.faults.maybe_kill is called with
 
@@ -66,30 +67,27 @@ def test_kill_in_every_stage_then_resume(tmp_path, models_dir, api_url):
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
     reference_dir.mkdir()
     crashed_dir.mkdir()
-    # the uninterrupted reference runs beside the killed runs (its own store, MLflow and checkpoints): its
-    # single-threaded start-up overlaps theirs; output to a file, as a pipe nobody reads could fill and stall it
     command, env = _command(_campaign(reference_dir, models_dir), api_url)
-    reference_log = reference_dir / "run.log"
-    with open(reference_log, "w") as log:
-        reference = subprocess.Popen(command, cwd=reference_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    try:
+    # the reference and the killed runs are forked from one process that has imported what a run imports
+    # (tests/preloaded.py): each is a process of its own, killed for real, without 12 CPU-seconds of imports;
+    # the resume at the end is a plain `python -m evertrain.cli run`, start-up included
+    with Preloader(env) as preloader:
+        # the uninterrupted reference runs beside the killed runs (its own store, MLflow and checkpoints)
+        reference = preloader.start(command[3:], cwd=reference_dir, env=env, output=reference_dir / "run.log")
         config_file = _campaign(crashed_dir, models_dir)
+        args, _ = _command(config_file, api_url)
         # each run resumes the stages the previous one finished and dies in the next one, at each fault-injection
         # point in turn: as it starts, inside its first write before the commit, after its work is stored
         for stage, point in zip(STAGES, POINTS * 2, strict=True):
-            result = _run(config_file, crashed_dir, api_url, kill_at=f"{stage}:{point}")
-            assert result.returncode == -signal.SIGKILL, (stage, point, result.returncode, result.stderr[-3000:])
+            returncode, output = preloader.run(args[3:], cwd=crashed_dir, output=crashed_dir / f"{stage}.log",
+                                               env={**env, "EVERTRAIN_KILL_AT": f"{stage}:{point}"}, timeout=300)
+            assert returncode == -signal.SIGKILL, (stage, point, returncode, output[-3000:])
             status = {row[1]: row[2] for row in _snapshot(store_uri(crashed_dir))["stage_runs"]}
             assert status[stage] == "running", (stage, status)
         result = _run(config_file, crashed_dir, api_url)
         assert result.returncode == 0, result.stderr[-3000:]
 
-        assert reference.wait(timeout=300) == 0, reference_log.read_text()[-3000:]
-    finally:  # a failed assertion above must not leave the reference running
-        if reference.poll() is None:
-            reference.kill()
-            reference.wait()
+        assert preloader.wait(reference, timeout=300) == 0, (reference_dir / "run.log").read_text()[-3000:]
     expected = _snapshot(store_uri(reference_dir))
     assert _snapshot(store_uri(crashed_dir)) == expected
 
