@@ -125,6 +125,18 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
         yield
 
 
+@pytest.fixture(scope="session")
+def preloaded():
+    """``preloaded(env)``: a :class:`tests.preloaded.Preloader` for ``evertrain`` runs with ``env``, its runs forked
+    from one process that has imported what a run imports (about 12 CPU-seconds a run the less); one per
+    environment for the session."""
+    from tests.preloaded import Preloaders
+
+    preloaders = Preloaders()
+    yield preloaders
+    preloaders.close()
+
+
 # The longest files first (durations of the fresh-clone runs in docs/benchmarks/tests.md): with pytest-xdist's
 # --dist loadfile each worker takes the next file as it frees up, so a long file collected last (they are
 # collected alphabetically) would run alone on one core at the end while the other core idles.

@@ -24,9 +24,11 @@ import importlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,7 @@ class Preloader:
         self.env = dict(env)
         self.plain: dict[int, subprocess.Popen] = {}  # EVERTRAIN_TEST_FORK=0: the runs as plain subprocesses
         self.process: subprocess.Popen | None = None
+        self._outputs = Path(tempfile.mkdtemp(prefix="evertrain-preloaded-"))  # run()'s captured output
         if FORK:
             self.process = subprocess.Popen([sys.executable, "-m", "tests.preloaded"], cwd=ROOT, env=self.env,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -73,42 +76,54 @@ class Preloader:
             raise RuntimeError(answer["error"])
         return answer["result"]
 
-    def start(self, args: list[str], *, cwd: Path, env: dict[str, str], output: Path) -> int:
-        """Start ``evertrain ARGS`` in ``cwd`` with its stdout and stderr to ``output``; returns its pid."""
+    def start(self, args: list[str], *, cwd: Path, env: dict[str, str], stdout: Path,
+              stderr: Path | None = None) -> int:
+        """Start ``evertrain ARGS`` in ``cwd``, its output to ``stdout`` (and its errors to ``stderr``, else to
+        the same file); returns its pid."""
         if _comparable(env) != _comparable(self.env):
             differ = sorted(k for k in set(env) | set(self.env) if k not in LATE and env.get(k) != self.env.get(k))
             raise ValueError(f"a run's environment differs from its preloader's in {differ}: start another")
         if self.process is None:
-            with open(output, "w") as out:
+            with open(stdout, "w") as out, open(stderr or os.devnull, "w") as err:
                 run = subprocess.Popen([sys.executable, "-m", "evertrain.cli", *args], cwd=cwd, env=env,
-                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                       stdout=out, stderr=err if stderr else subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
             self.plain[run.pid] = run
             return run.pid
         late = {k: env[k] for k in LATE if k in env}
-        return int(self._ask({"start": {"args": args, "cwd": str(cwd), "late": late, "output": str(output)}}))
+        return int(self._ask({"start": {"args": args, "cwd": str(cwd), "late": late, "stdout": str(stdout),
+                                        "stderr": str(stderr or stdout)}}))
+
+    def poll(self, pid: int) -> int | None:
+        """The run's exit status if it has ended, else None."""
+        if self.process is None:
+            return self.plain[pid].poll()
+        return self._ask({"poll": pid})
 
     def wait(self, pid: int, timeout: float = 600) -> int:
         """The run's exit status (negative: killed by that signal); killed if still running after ``timeout``."""
         if self.process is None:
-            run = self.plain.pop(pid)
+            run = self.plain[pid]
             try:
                 return run.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 run.kill()
-                run.wait()
-                raise
+                return run.wait()
         return int(self._ask({"wait": pid, "timeout": timeout}))
 
-    def run(self, args: list[str], *, cwd: Path, env: dict[str, str], output: Path,
-            timeout: float = 600) -> tuple[int, str]:
-        """Run ``evertrain ARGS`` to its end: its exit status and its output."""
-        status = self.wait(self.start(args, cwd=cwd, env=env, output=output), timeout)
-        return status, output.read_text(errors="replace")
+    def run(self, args: list[str], *, cwd: Path, env: dict[str, str],
+            timeout: float = 600) -> subprocess.CompletedProcess:
+        """Run ``evertrain ARGS`` to its end, as ``subprocess.run(..., capture_output=True, text=True)``."""
+        out, err = (Path(tempfile.mkstemp(dir=self._outputs, suffix=suffix)[1]) for suffix in (".out", ".err"))
+        status = self.wait(self.start(args, cwd=cwd, env=env, stdout=out, stderr=err), timeout)
+        return subprocess.CompletedProcess(args, status, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
     def close(self) -> None:
         for run in self.plain.values():
-            run.kill()
-            run.wait()
+            if run.poll() is None:
+                run.kill()
+                run.wait()
         if self.process is not None and self.process.poll() is None:
             assert self.process.stdin is not None
             self.process.stdin.close()  # the preloader kills the runs it still has, then exits
@@ -117,12 +132,31 @@ class Preloader:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self._outputs, ignore_errors=True)
 
     def __enter__(self) -> Preloader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Preloaders:
+    """One :class:`Preloader` per environment asked for, all closed together (a session fixture's)."""
+
+    def __init__(self) -> None:
+        self._by_env: dict[tuple, Preloader] = {}
+
+    def __call__(self, env: dict[str, str]) -> Preloader:
+        key = tuple(sorted(_comparable(env).items()))
+        if key not in self._by_env:
+            self._by_env[key] = Preloader(env)
+        return self._by_env[key]
+
+    def close(self) -> None:
+        for preloader in self._by_env.values():
+            preloader.close()
+        self._by_env.clear()
 
 
 def _status(code: int) -> int:
@@ -136,12 +170,14 @@ def _child(request: dict[str, Any]) -> list[str]:
         os.environ.pop(key, None)
     os.environ.update(request["late"])
     devnull = os.open(os.devnull, os.O_RDONLY)
-    output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = out if request["stderr"] == request["stdout"] else \
+        os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(devnull, 0)
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.close(devnull)
-    os.close(output)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {devnull, out, err}:
+        os.close(fd)
     # a fresh process seeds these from the OS; a forked one would repeat the preloader's sequence
     random.seed()
     import numpy
@@ -163,7 +199,18 @@ def serve() -> list[str] | None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):  # another version's module layout: the run imports what it needs
             importlib.import_module(name)
-    children: set[int] = set()
+    running: set[int] = set()
+    ended: dict[int, int] = {}  # pid -> exit status, kept for a wait after a poll
+
+    def reap(pid: int, block: bool) -> int | None:
+        if pid not in ended:
+            done, code = os.waitpid(pid, 0 if block else os.WNOHANG)
+            if done == 0:
+                return None
+            running.discard(pid)
+            ended[pid] = _status(code)
+        return ended[pid]
+
     for line in sys.stdin:
         request = json.loads(line)
         try:
@@ -174,23 +221,23 @@ def serve() -> list[str] | None:
                 if pid == 0:
                     protocol.close()
                     return _child(request["start"])
-                children.add(pid)
+                running.add(pid)
                 result: Any = pid
+            elif "poll" in request:
+                result = reap(int(request["poll"]), block=False)
             else:
                 pid, deadline = int(request["wait"]), time.monotonic() + float(request["timeout"])
-                while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                while (result := reap(pid, block=False)) is None:
                     if time.monotonic() > deadline:
                         os.kill(pid, signal.SIGKILL)
-                        done = os.waitpid(pid, 0)
+                        result = reap(pid, block=True)
                         break
                     time.sleep(0.05)
-                children.discard(pid)
-                result = _status(done[1])
             protocol.write(json.dumps({"result": result}) + "\n")
         except Exception as error:  # reported to the test, which raises it
             protocol.write(json.dumps({"error": f"{type(error).__name__}: {error}"}) + "\n")
         protocol.flush()
-    for pid in children:  # the test ended (or failed) with runs still going
+    for pid in running:  # the test ended (or failed) with runs still going
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     return None
