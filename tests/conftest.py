@@ -141,7 +141,7 @@ def preloaded():
 # --dist loadfile each worker takes the next file as it frees up, so a long file collected last (they are
 # collected alphabetically) would run alone on one core at the end while the other core idles.
 LONGEST_FIRST = ("test_servers.py", "test_deployments.py", "test_crash_safety.py", "test_endpoint_vllm.py",
-                 "test_approval.py", "test_vllm.py", "test_ray.py", "test_campaign_flow.py", "test_vllm_backend.py",
+                 "test_approval.py", "test_vllm.py", "test_ray.py", "test_campaign_flow.py",
                  "test_many_envs.py", "test_endpoint.py", "test_store_concurrency.py", "test_portable.py")
 
 
