@@ -36,8 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 FORK = os.environ.get("EVERTRAIN_TEST_FORK", "1") != "0"
 
-# read when used, not when imported: a run may set them to its own values
-LATE = frozenset({"EVERTRAIN_KILL_AT"})
+# read when used, not when imported (or, pytest's, not read by a run at all): a run may set them to its own values
+LATE = frozenset({"EVERTRAIN_KILL_AT", "PYTEST_CURRENT_TEST"})
 
 # what a smoke iteration of `evertrain run` imports (python -X importtime), the costliest first
 PRELOAD = ("evertrain.cli", "evertrain.flows.campaign", "evertrain.report", "evertrain.runtime",
