@@ -125,11 +125,23 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
         yield
 
 
+@pytest.fixture(scope="session")
+def preloaded():
+    """``preloaded(env)``: a :class:`tests.preloaded.Preloader` for ``evertrain`` runs with ``env``, its runs forked
+    from one process that has imported what a run imports (about 12 CPU-seconds a run the less); one per
+    environment for the session."""
+    from tests.preloaded import Preloaders
+
+    preloaders = Preloaders()
+    yield preloaders
+    preloaders.close()
+
+
 # The longest files first (durations of the fresh-clone runs in docs/benchmarks/tests.md): with pytest-xdist's
 # --dist loadfile each worker takes the next file as it frees up, so a long file collected last (they are
 # collected alphabetically) would run alone on one core at the end while the other core idles.
 LONGEST_FIRST = ("test_servers.py", "test_deployments.py", "test_crash_safety.py", "test_endpoint_vllm.py",
-                 "test_approval.py", "test_vllm.py", "test_ray.py", "test_campaign_flow.py", "test_vllm_backend.py",
+                 "test_approval.py", "test_vllm.py", "test_ray.py", "test_campaign_flow.py",
                  "test_many_envs.py", "test_endpoint.py", "test_store_concurrency.py", "test_portable.py")
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -71,13 +70,13 @@ def test_missing_config_file_is_named(tmp_path):
     '[model]\npath = "/no/such/model"\n',
     'name = "x"\n[update\n',
 ])
-def test_cli_refuses_bad_config_and_writes_nothing(tmp_path, body):
+def test_cli_refuses_bad_config_and_writes_nothing(tmp_path, body, preloaded):
     config = tmp_path / "campaign.toml"
     config.write_text(body)
-    result = subprocess.run(
-        [sys.executable, "-m", "evertrain.cli", "run", "--config", str(config), "--iterations", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
+    # forked from a process that has imported what a run imports (tests/preloaded.py): its own process, in
+    # tmp_path, without the imports a fresh `evertrain run` makes before it reads its config
+    result = preloaded(dict(os.environ)).run(["run", "--config", str(config), "--iterations", "1"], cwd=tmp_path,
+                                             env=dict(os.environ), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "evertrain: error:" in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["campaign.toml"]  # no store, no mlflow, nothing
@@ -97,12 +96,10 @@ def test_set_overrides_one_value_and_names_a_bad_one():
             load_config(ROOT / "configs" / "default.toml", [setting])
 
 
-def test_cli_set_refuses_a_bad_override_and_writes_nothing(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "evertrain.cli", "run", "--config", str(ROOT / "configs" / "smoke.toml"),
-         "--set", "update.learning_rate=-1", "--iterations", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
+def test_cli_set_refuses_a_bad_override_and_writes_nothing(tmp_path, preloaded):
+    result = preloaded(dict(os.environ)).run(
+        ["run", "--config", str(ROOT / "configs" / "smoke.toml"), "--set", "update.learning_rate=-1",
+         "--iterations", "1"], cwd=tmp_path, env=dict(os.environ), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "update.learning_rate:" in result.stderr and "--set update.learning_rate=-1" in result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -62,34 +62,35 @@ def _campaign(directory: Path, models_dir: Path) -> Path:
     return path
 
 
-def test_kill_in_every_stage_then_resume(tmp_path, models_dir, api_url):
+def test_kill_in_every_stage_then_resume(tmp_path, models_dir, api_url, preloaded):
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
     reference_dir.mkdir()
     crashed_dir.mkdir()
-    # the uninterrupted reference runs beside the killed runs (its own store, MLflow and checkpoints): its
-    # single-threaded start-up overlaps theirs; output to a file, as a pipe nobody reads could fill and stall it
     command, env = _command(_campaign(reference_dir, models_dir), api_url)
-    reference_log = reference_dir / "run.log"
-    with open(reference_log, "w") as log:
-        reference = subprocess.Popen(command, cwd=reference_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-
+    # the reference and the killed runs are forked from a process that has imported what a run imports
+    # (tests/preloaded.py): each a process of its own, killed for real, without 12 CPU-seconds of imports;
+    # the resume at the end is a plain `python -m evertrain.cli run`, its start-up included
+    preloader = preloaded(env)
+    # the uninterrupted reference runs beside the killed runs (its own store, MLflow and checkpoints); output
+    # to a file, as a pipe nobody reads could fill and stall it
+    reference = preloader.start(command[3:], cwd=reference_dir, env=env, stdout=reference_dir / "run.log")
     try:
         config_file = _campaign(crashed_dir, models_dir)
+        args, _ = _command(config_file, api_url)
         # each run resumes the stages the previous one finished and dies in the next one, at each fault-injection
         # point in turn: as it starts, inside its first write before the commit, after its work is stored
         for stage, point in zip(STAGES, POINTS * 2, strict=True):
-            result = _run(config_file, crashed_dir, api_url, kill_at=f"{stage}:{point}")
+            result = preloader.run(args[3:], cwd=crashed_dir, env={**env, "EVERTRAIN_KILL_AT": f"{stage}:{point}"},
+                                   timeout=300)
             assert result.returncode == -signal.SIGKILL, (stage, point, result.returncode, result.stderr[-3000:])
             status = {row[1]: row[2] for row in _snapshot(store_uri(crashed_dir))["stage_runs"]}
             assert status[stage] == "running", (stage, status)
         result = _run(config_file, crashed_dir, api_url)
         assert result.returncode == 0, result.stderr[-3000:]
-
-        assert reference.wait(timeout=300) == 0, reference_log.read_text()[-3000:]
-    finally:  # a failed assertion above must not leave the reference running
-        if reference.poll() is None:
-            reference.kill()
-            reference.wait()
+    except BaseException:  # a failed assertion above must not leave the reference running
+        preloader.wait(reference, timeout=0)  # killed, if still running
+        raise
+    assert preloader.wait(reference, timeout=300) == 0, (reference_dir / "run.log").read_text()[-3000:]
     expected = _snapshot(store_uri(reference_dir))
     assert _snapshot(store_uri(crashed_dir)) == expected
 

@@ -1,8 +1,11 @@
-"""Sampling through a real vLLM engine (``generation.backend = "vllm"``), on a tiny Llama built from a config.
+"""Sampling through a real vLLM engine (``generation.backend = "vllm"``), on the embedded tiny Llama as built by
+default (every backend must run it).
 
 The engine runs under its own interpreter (``.venv-vllm``, built by ``make vllm``; ``make test`` builds it
 and sets EVERTRAIN_REQUIRE_VLLM=1, so these tests fail there instead of skipping when it is missing).
-One engine per engine configuration is started for the whole module and kept, as a campaign keeps it.
+Every vLLM engine test lives in this file (one pytest-xdist worker, ``--dist loadfile``): the sampler tests share
+the module's ``engines`` (the LoRA and the full-weights engines on the tiny model start once each, about 40
+CPU-seconds a start), while each campaign test's context starts and stops its own, as a campaign run does.
 
 Tolerances, float32 on both sides: a behaviour log-prob returned by the engine and the trainer's
 recomputation of it agree within 2e-3 per token (vLLM's CPU attention and matrix kernels are not
@@ -32,11 +35,11 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama twice the embedded one's width (4 heads of 32: vLLM's CPU attention needs at least 32)."""
+    """The embedded tiny Llama as built by default (2 heads of 32: vLLM's CPU attention needs at least 32)."""
     from evertrain.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
-    yield build_tiny_model(root / "models" / "tiny-llama", hidden=128)
+    yield build_tiny_model(root / "models" / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +233,56 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
             # the correction runs on every group; float32 engine and float32 trainer nearly agree
             assert metrics["mismatch_kl"] < 1e-3 and metrics["is_clipped_share"] == 0.0
     rt.close()
+
+
+# moved from tests/test_vllm_backend.py: its engines (the tiny model's, LoRA and full) are this module's
+def _short_prompts() -> list[list[int]]:
+    return [list(range(40, 60)), list(range(70, 85))]
+
+
+def _policy(tiny: Path, base: Path, finetune: str, seed: int):
+    """A policy version distinct from the base (and from other seeds) by a wide margin."""
+    torch.manual_seed(seed)
+    if finetune == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(load_policy(base)[0], LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(weight, std=0.3)
+        return model
+    model, _ = load_policy(base, trainable=True, finetune="full")
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn_like(weight) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_a_checkpoint_folder_rewritten_in_place_is_served_anew(vllm_model, tmp_path, finetune, engines):
+    """The engine keys what it serves by content, not by folder: a checkpoint folder rewritten in place (an
+    in-process rerun of the update, the notebook's use) is served with its new weights."""
+    from evertrain.models.policy import checkpoint_digest
+    from evertrain.models.sampler import open_sampler
+
+    tiny = vllm_model
+    config = _config(tiny, finetune)
+    base = write_base_checkpoint(tmp_path / "base", str(tiny))
+    folder = tmp_path / "iteration-0"  # the update's output folder, written twice by a rerun
+    prompts = _short_prompts()
+
+    save_checkpoint(_policy(tiny, base, finetune, seed=1), folder, str(tiny))
+    first = load_policy(folder)[0]
+    sampler, _ = open_sampler(config, folder, engines)
+    groups, _ = sampler.sample(prompts, 3, max_new_tokens=10, temperature=1.0)
+    assert _agreement(first, groups, prompts, 1.0) < TOLERANCE
+    assert sampler.engine.served == checkpoint_digest(folder)  # the engine read these very bytes
+
+    save_checkpoint(_policy(tiny, base, finetune, seed=2), folder, str(tiny))  # the rerun: same folder, new weights
+    second = load_policy(folder)[0]
+    again, seconds = open_sampler(config, folder, engines)
+    assert again.engine is sampler.engine and seconds > 0  # handed over again, to the same engine
+    groups, _ = again.sample(prompts, 3, max_new_tokens=10, temperature=1.0)
+    assert _agreement(second, groups, prompts, 1.0) < TOLERANCE  # the new weights are served...
+    assert _agreement(first, groups, prompts, 1.0) > 10 * TOLERANCE  # ...not the old ones
+    assert again.engine.served == checkpoint_digest(folder)
