@@ -56,14 +56,18 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
     from evertrain.data.store import Store
-    from evertrain.flows.campaign import campaign_flow
+    from evertrain.flows.campaign import campaign_flow_in
     from evertrain.report import iteration_report, render_table
+    from evertrain.runtime import Runtime
 
     mix = [f"{s.name}×{s.weight:g}" if s.weight else f"{s.name} (eval only)" for s in config.environments]
     print(f"campaign {config.name!r}: model {config.model.path}, environments {', '.join(mix)}; "
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
-    done = campaign_flow(config, args.iterations)  # opens the campaign's context, and closes it when it ends
+    # opened before the flow run, so a campaign another process runs is refused without a failed flow run; held
+    # by the flow (the same flow, name and parameters as a deployment's) and closed when it ends, however it ends
+    with Runtime.open(config) as rt:
+        done = campaign_flow_in(rt)(config, args.iterations)
     from evertrain.report import champion_vs_base, format_refusal, format_versus, last_refusal, share_line
 
     with Store(config.paths.store, read_only=True) as store:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, tags
+from prefect import Flow, flow, tags
 
 from evertrain.config import CampaignConfig
 from evertrain.drift import campaign_run_name
@@ -73,6 +73,19 @@ def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list
     """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
     with Runtime.open(config) as rt:  # once per run: every stage shares it, and it is closed however the run ends
         return run_campaign(rt, iterations)
+
+
+def campaign_flow_in(rt: Runtime) -> Flow:
+    """:func:`campaign_flow` in a context the caller has already opened (``evertrain run``: a campaign another
+    process runs is refused before any flow run exists), with the same name and parameters in the Prefect UI."""
+
+    @flow(name="evertrain-campaign", flow_run_name=campaign_run_name, log_prints=True)
+    def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
+        if config.model_dump() != rt.config.model_dump():
+            raise ValueError(f"campaign_flow_in: the context is campaign {rt.campaign!r}'s, not this config's")
+        return run_campaign(rt, iterations)
+
+    return campaign_flow
 
 
 def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
