@@ -47,7 +47,8 @@ def campaign(tmp_path: Path, models_dir: Path, name: str, draws: int | None, eas
                               "microbatch_size": 8}
     if draws is not None:
         update["dynamic_sampling_draws"] = draws
-    config = smoke_config_in(tmp_path, models_dir, name=name, environments=[{"name": "digits", "weight": 1}],
+    # a store per campaign: two contexts of one process on one DuckLake SQLite catalog contend ("database is locked")
+    config = smoke_config_in(tmp_path / name, models_dir, name=name, environments=[{"name": "digits", "weight": 1}],
                              problems_per_iteration=PROBLEMS, group_size=G, update=update,
                              eval={"problems_per_env": 4, "sealed_problems": 3})
     rt = Runtime.open(config)

@@ -8,7 +8,6 @@ group-sequential efficacy stopping that spends the gate's error across looks.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -195,7 +194,8 @@ def test_seeded_update_gate_every_k_generation_keys_and_sealed_splits(tmp_path, 
     assert same["reused"] == len(problems) and same["generated"] == 0
     longer = config.model_dump()
     longer["generation"]["max_new_tokens"] += 4
-    changed = dataclasses.replace(rt, config=CampaignConfig.model_validate(longer))
+    # the same open store under a changed config (a view: it does not own, so never closes, rt's store)
+    changed = Runtime(CampaignConfig.model_validate(longer), rt.store, rt.tracker, rt.envs)
     _, other = evaluate_version(changed, 1, problems, 2, "champion")
     assert other["reused"] == 0 and other["generated"] == len(problems)
 
