@@ -277,8 +277,9 @@ def machine() -> dict[str, Any]:
 # --- the demo -----------------------------------------------------------------------------------------------
 
 def train_first_champion(config: CampaignConfig, iterations: int, workdir: Path, log_path: Path) -> int:
-    """A short campaign on tool v1 (approval 'auto': nothing is deployed yet); the champion's version."""
-    from evertrain.tracking import Tracker
+    """A short campaign on tool v1 (approval 'auto': nothing is deployed yet); the champion's version (the
+    store's)."""
+    from evertrain.data.store import Store
 
     v1 = with_tool(config, 1, approval="auto")
     path = workdir / "flywheel-v1.json"
@@ -287,7 +288,8 @@ def train_first_champion(config: CampaignConfig, iterations: int, workdir: Path,
         subprocess.run([sys.executable, "-m", "evertrain.cli", "run", "--config", str(path), "--iterations",
                         str(iterations)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=True,
                        env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
-    return int(Tracker(v1).alias("champion") or 0)
+    with Store(v1.paths.store, read_only=True) as store:
+        return int(store.champion_history(v1.name)[0] or 0)
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:

@@ -386,7 +386,7 @@ def test_hot_swap_under_a_concurrent_client(live):
     assert v1 == {"<python>\n"} and len(v2) == 1 and v1 != v2
     stored = _stored(server, "SELECT trace_id, model_version FROM traces").set_index("trace_id")["model_version"]
     assert all(int(stored[r[1]]) == r[4] for r in results)
-    assert rt.tracker.alias("champion") == 1
+    assert rt.champion_version() == 1 and rt.tracker.alias("champion") == 1
 
 
 def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, tmp_path):
@@ -483,11 +483,13 @@ def test_a_slow_redaction_does_not_stall_other_requests(live):
 
 
 def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live, caplog):
-    """The alias moves to a version whose checkpoint does not load: the endpoint keeps serving v1, warns once
-    (not at every poll), and loads the version at once when its checkpoint's content changes."""
+    """The champion moves (in the store) to a version whose checkpoint does not load: the endpoint keeps
+    serving v1, warns once (not at every poll), and loads the version at once when its checkpoint's content
+    changes. MLflow's alias moved by hand first moves nothing."""
     import logging
 
     from evertrain.data.store import now
+    from evertrain.tasks.promote import rollback
 
     config, rt, server, client = live
     folder = Path(config.paths.checkpoints) / "broken"
@@ -499,8 +501,12 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
         "campaign": "live", "version": version, "iteration": 0, "kind": "full", "path": rt.stored_path(folder),
         "parent_version": 1, "created_at": now()}])
     try:
+        # MLflow's alias moved by hand is not a promotion: the store's lineage is the authority, nothing is loaded
+        rt.tracker.set_alias("champion", version)
+        time.sleep(5 * config.serving.poll_seconds)
+        assert server.endpoint.champion.current.version == 1 and version not in server.endpoint.champion.failed
         with caplog.at_level(logging.DEBUG, logger="evertrain.serving"):
-            rt.tracker.set_alias("champion", version)
+            rollback(rt, to_version=version, reason="a broken version made champion by hand")
             time.sleep(12 * config.serving.poll_seconds)
             answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2)
@@ -519,6 +525,8 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
             time.sleep(0.1)
         assert version not in server.endpoint.champion.failed
     finally:
+        if rt.champion_version() != 1:
+            rollback(rt, to_version=1, reason="test over")
         rt.tracker.set_alias("champion", 1)
     deadline = time.monotonic() + 30
     while server.endpoint.champion.current.version != 1:

@@ -18,6 +18,7 @@ import torch
 
 from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, EndpointServer
+from evertrain.tasks.promote import rollback
 from tests.conftest import ROOT, smoke_config_in
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -77,7 +78,7 @@ def test_vllm_answers_names_the_version_and_the_trace_is_stored(on_vllm):
     assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
 
     # a promotion to the LoRA version: loaded into the running vLLM server (runtime LoRA API), then served
-    rt.tracker.set_alias("champion", v2)
+    rollback(rt, to_version=v2, reason="the LoRA version promoted by hand")
     deadline = time.monotonic() + 300
     while True:
         answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
@@ -120,7 +121,7 @@ def test_a_full_weights_version_gets_a_vllm_server_of_its_own(on_vllm, tmp_path)
     rt.store.replace("model_versions", {"campaign": "vl", "version": version}, [{
         "campaign": "vl", "version": version, "iteration": 1, "kind": "full", "path": str(folder),
         "parent_version": 1, "created_at": now()}])
-    rt.tracker.set_alias("champion", version)
+    rollback(rt, to_version=version, reason="full weights promoted by hand")
     deadline = time.monotonic() + 600
     while True:
         answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],

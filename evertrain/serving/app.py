@@ -6,11 +6,12 @@ on an answer; ``GET /health`` says which version is served.
 
 The champion
     :class:`Champion` holds one reference to the served model (:class:`Served`: version, sampler,
-    tokenizer). A watcher thread reads the registry's ``champion`` alias every ``serving.poll_seconds``;
-    when it moves (a promotion, a rollback), the new version's weights are loaded in that thread, off the
-    request path, and the reference is replaced in one assignment. A request reads the reference once,
-    when it starts, and uses that model for everything it does: no request is answered by two versions,
-    none waits for a load, none fails because of one. The last two versions stay loaded, so a rollback
+    tokenizer). A watcher thread reads the campaign's champion from the store's lineage (its promotion
+    decisions and rollbacks, the authority; MLflow's ``champion`` alias is their projection) every
+    ``serving.poll_seconds``; when it moves (a promotion, a rollback), the new version's weights are loaded
+    in that thread, off the request path, and the reference is replaced in one assignment. A request reads
+    the reference once, when it starts, and uses that model for everything it does: no request is answered
+    by two versions, none waits for a load, none fails because of one. The last two versions stay loaded, so a rollback
     swaps back without loading anything.
 
 Tool calls
@@ -87,7 +88,7 @@ class Served:
 
 
 class Champion:
-    """The served version, swapped by a watcher thread when the registry's champion alias moves."""
+    """The served version, swapped by a watcher thread when the store's champion moves."""
 
     def __init__(self, config: CampaignConfig, store: Store, keep_loaded: int = 2) -> None:
         from evertrain.runtime import Runtime
@@ -110,7 +111,7 @@ class Champion:
         self._thread: threading.Thread | None = None
 
     def start(self) -> Served:
-        """Load the champion now (so a bad config fails at start-up) and start watching the alias."""
+        """Load the champion now (so a bad config fails at start-up) and start watching the store's lineage."""
         version = self._champion_version()
         self.current = self._load(version)
         self._thread = threading.Thread(target=self._watch, name="evertrain-champion-watcher", daemon=True)
@@ -125,13 +126,8 @@ class Champion:
             self.vllm.close()
 
     def _champion_version(self) -> int:
-        version = self.tracker.alias("champion")
-        if version is None:
-            from evertrain.data.store import StoreError
-
-            raise StoreError(f"campaign {self.config.name!r} has no champion in the registry "
-                             f"({self.tracker.model_name}): run an iteration first")
-        return version
+        """The store's champion (a stale or hand-moved MLflow alias does not move what is served)."""
+        return self.rt.champion_version()
 
     def _load(self, version: int) -> Served:
         if version in self._loaded:
