@@ -55,7 +55,6 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
-    from evertrain.data.store import Store
     from evertrain.flows.campaign import campaign_flow_in
     from evertrain.report import iteration_report, render_table
     from evertrain.runtime import Runtime
@@ -65,19 +64,19 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{config.problems_per_iteration} problems × G={config.group_size} per iteration; "
           f"{'forever' if args.iterations is None else f'{args.iterations} iteration(s)'}", file=sys.stderr)
     # opened before the flow run, so a campaign another process runs is refused without a failed flow run; held
-    # by the flow (the same flow, name and parameters as a deployment's) and closed when it ends, however it ends
-    with Runtime.open(config) as rt:
-        done = campaign_flow_in(rt)(config, args.iterations)
+    # by the flow (the same flow, name and parameters as a deployment's) and closed when it ends, however it ends;
+    # the report is read through the same connection before it closes
     from evertrain.report import champion_vs_base, format_refusal, format_versus, last_refusal, share_line
 
-    with Store(config.paths.store, read_only=True) as store:
-        rows = [r for r in iteration_report(store, config.name) if r["iteration"] in set(done)]
+    with Runtime.open(config) as rt:
+        done = campaign_flow_in(rt)(config, args.iterations)
+        rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
         render_table(rows, f"campaign {config.name}")
         if share_line(rows):
             print(share_line(rows))
-        for s in champion_vs_base(store, config.name):
+        for s in champion_vs_base(rt.store, config.name):
             print(format_versus(s))
-        for line in format_refusal(last_refusal(store, config.name)):
+        for line in format_refusal(last_refusal(rt.store, config.name)):
             print(line)
     return 0
 
