@@ -712,6 +712,18 @@ def cmd_endpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+# the errors that mean bad input (a config, a store, a model path, an environment): one line, exit status 2
+INPUT_ERRORS = {"evertrain.config": "ConfigError", "evertrain.data.store": "StoreError",
+                "evertrain.envs.registry": "UnknownEnvironment", "evertrain.models.policy": "ModelError",
+                "evertrain.runtime": "EnvironmentInvalid"}
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """INPUT_ERRORS' types, from the modules already imported: an error of a module never imported cannot have
+    been raised, and importing one to name its error would make a bad config pay for torch (about 3 CPU-s)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in INPUT_ERRORS.items() if module in sys.modules)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.func is cmd_sql:  # a quick look from another shell: no torch, transformers or Prefect imports
@@ -724,15 +736,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evertrain: error: {error}", file=sys.stderr)
             return 2
     _environment()
-    from evertrain.config import ConfigError
-    from evertrain.data.store import StoreError
-    from evertrain.envs.registry import UnknownEnvironment
-    from evertrain.models.policy import ModelError
-    from evertrain.runtime import EnvironmentInvalid
-
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, StoreError, ModelError, UnknownEnvironment, EnvironmentInvalid) as error:
+    except Exception as error:
+        if not isinstance(error, _input_errors()):
+            raise
         print(f"evertrain: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
