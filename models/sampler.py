@@ -25,6 +25,7 @@ Checkpoints are known by content (:func:`evertrain.models.policy.checkpoint_dige
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -426,18 +427,19 @@ def _stop_engines(engines: dict[str, VLLMEngine]) -> None:
 
 
 def process_tree_cpu(pid: int) -> float:
-    """CPU seconds of process ``pid`` and every live descendant, read from /proc (0 where there is none)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except (OSError, IndexError, ValueError):
-            continue
-        pending += [int(c) for c in children]
+    """CPU seconds (user and system) of process ``pid`` and every live descendant (0 where there is none)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:  # gone already
+        return 0.0
+    total = 0.0
+    for process in tree:
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile counts for nothing
+            times = process.cpu_times()
+            total += times.user + times.system
     return total
 
 
