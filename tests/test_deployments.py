@@ -30,8 +30,8 @@ def _env(api_url: str) -> dict[str, str]:
     return env
 
 
-def _config_file(directory: Path, models_dir: Path, name: str, **overrides: object) -> Path:
-    config = smoke_config_in(directory, models_dir, name=name, **overrides)
+def _config_file(directory: Path, models_dir: Path, name: str) -> Path:
+    config = smoke_config_in(directory, models_dir, name=name)
     path = directory / "campaign.json"
     path.write_text(json.dumps(config.model_dump(mode="json")))
     return path
@@ -55,10 +55,7 @@ def _finished_runs(directory: Path, campaign: str) -> int:
 
 def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
     """No PREFECT_API_URL: `evertrain serve` starts a real Prefect server (with its scheduler) itself."""
-    # what is asked of it is two scheduled runs of an iteration each, not what an iteration learns: a small one
-    # (one environment, 4 problems x 2) spares the CPU of the smoke config's three (8 x 4, 12 held-out problems)
-    config = _config_file(tmp_path, models_dir, "served", environments=[{"name": "digits", "weight": 1}],
-                          problems_per_iteration=4, group_size=2)
+    config = _config_file(tmp_path, models_dir, "served")
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "EVERTRAIN_KILL_AT")}
     # the runner asks for scheduled runs every 2 s, not every 10 s: each iteration's run starts sooner
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), EVERTRAIN_PROGRESS="0", PREFECT_RUNNER_POLL_FREQUENCY="2")
