@@ -13,7 +13,7 @@ import hashlib
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, StoreError
@@ -21,6 +21,9 @@ from evertrain.envs import registry
 from evertrain.envs.base import Environment
 from evertrain.quiet import quiet_libraries
 from evertrain.tracking import Tracker
+
+if TYPE_CHECKING:
+    from evertrain.models.sampler import Engines
 
 
 class EnvironmentInvalid(RuntimeError):
@@ -35,14 +38,16 @@ def seed_for(*parts: Any) -> int:
 
 class Runtime:
     """A campaign's context. ``Runtime.open(config)`` opens (and owns) a store connection; constructed
-    directly from a store, it only borrows it (the endpoint's, which the endpoint closes)."""
+    directly from a store, it only borrows it (the endpoint's, which the endpoint closes). Likewise its vLLM
+    engines: started by the context and stopped with it, or lent (``engines=``) and left running."""
 
     # A plain class, not a dataclass: Prefect records a subflow's parameters with FastAPI's jsonable_encoder,
     # which deep-copies a dataclass whole; this one's encoding fails at its store connection, and Prefect
     # records the parameter as "<Runtime>", as it does for any parameter it cannot encode.
 
     def __init__(self, config: CampaignConfig, store: Store, tracker: Tracker,
-                 envs: dict[str, Environment] | None = None, *, owns_store: bool = False) -> None:
+                 envs: dict[str, Environment] | None = None, *, owns_store: bool = False,
+                 engines: Engines | None = None) -> None:
         self.config = config
         self.store = store
         self.tracker = tracker
@@ -51,15 +56,19 @@ class Runtime:
         self._owns_store = owns_store
         self._closed = False
         self._cluster: Any = None  # evertrain.cluster.Cluster, started on first use (cluster.address not "none")
-        self._engines: Any = None  # evertrain.models.sampler.Engines, the vLLM engines this context started
+        # the vLLM engines this context samples on: lent by the caller, else started here on first use
+        self._engines: Engines | None = engines
+        self._owns_engines = engines is None
         self._lock = threading.Lock()  # stages of two iterations may run at once (update.mode = "async")
 
     @classmethod
-    def open(cls, config: CampaignConfig) -> Runtime:
+    def open(cls, config: CampaignConfig, *, engines: Engines | None = None) -> Runtime:
         """Open ``config``'s campaign: a writable store connection, claimed as the campaign's one writer.
 
         Close it (or use it as a context manager) when done: until then no other process may run the
-        campaign, and a DuckDB-file store stays locked.
+        campaign, and a DuckDB-file store stays locked. ``engines``: vLLM engines to sample on, borrowed (the
+        context never stops them; their lender does): an engine is keyed by model and settings and knows weights
+        by content, so contexts may share one and each is spared an engine start (minutes on a small CPU).
         """
         quiet_libraries()
         from evertrain.models.policy import set_threads
@@ -72,7 +81,7 @@ class Runtime:
         except BaseException:
             store.close()
             raise
-        return cls(config=config, store=store, tracker=Tracker(config), owns_store=True)
+        return cls(config=config, store=store, tracker=Tracker(config), owns_store=True, engines=engines)
 
     @property
     def cluster(self) -> Any:
@@ -87,9 +96,9 @@ class Runtime:
             return self._cluster
 
     @property
-    def engines(self) -> Any:
-        """The vLLM engines this context's stages sample on (``evertrain.models.sampler.Engines``): started on
-        first use, kept across stages and iterations, stopped when this context closes."""
+    def engines(self) -> Engines:
+        """The vLLM engines this context's stages sample on (``evertrain.models.sampler.Engines``): the lent ones,
+        else started on first use, kept across stages and iterations, and stopped when this context closes."""
         with self._lock:
             if self._engines is None:
                 self._check_open()
@@ -99,8 +108,9 @@ class Runtime:
             return self._engines
 
     @property
-    def started_engines(self) -> Any:
-        """This context's vLLM engines if any stage asked for one (None: none; asking starts nothing)."""
+    def started_engines(self) -> Engines | None:
+        """This context's vLLM engines if any stage asked for one, or the lent ones (None: none; asking starts
+        nothing)."""
         return self._engines
 
     def _check_open(self) -> None:
@@ -108,15 +118,15 @@ class Runtime:
             raise StoreError(f"the context of campaign {self.campaign!r} is closed: open another (Runtime.open)")
 
     def close(self) -> None:
-        """Close what this context opened: its cluster's workers, its vLLM engines, and its store connection
-        (which releases its campaign claim)."""
+        """Close what this context opened: its cluster's workers, its vLLM engines (not lent ones), and its store
+        connection (which releases its campaign claim)."""
         if self._closed:
             return
         self._closed = True
         try:
             if self._cluster is not None:
                 self._cluster.shutdown()
-            if self._engines is not None:
+            if self._engines is not None and self._owns_engines:
                 self._engines.close()
         finally:
             self._cluster = self._engines = None

@@ -151,6 +151,37 @@ def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
         _ = rt.engines
 
 
+def test_a_closed_context_leaves_lent_engines_running_and_stops_its_own(tmp_path, models_dir, monkeypatch):
+    from evertrain.models import sampler
+    from evertrain.runtime import Runtime
+
+    class Recorded(sampler.Engines):
+        """Real engines (none started: whether they were stopped is what this test asks) that record a stop."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.stopped = 0
+
+        def close(self) -> None:
+            self.stopped += 1
+            super().close()
+
+    config = smoke_config_in(tmp_path, models_dir, name="engines")
+    lent = Recorded()
+    rt = Runtime.open(config, engines=lent)
+    assert rt.engines is lent and rt.started_engines is lent  # the stages sample on the lent engines
+    rt.close()
+    assert lent.stopped == 0  # borrowed, as a store can be: its lender stops it
+    with Runtime.open(config, engines=lent) as again:  # and another context may borrow it next
+        assert again.engines is lent
+    assert lent.stopped == 0
+    monkeypatch.setattr(sampler, "Engines", Recorded)  # what the context starts itself, recorded the same way
+    with Runtime.open(config) as rt:
+        owned = rt.engines
+        assert isinstance(owned, Recorded) and owned is not lent
+    assert owned.stopped == 1 and lent.stopped == 0
+
+
 def test_an_endpoint_borrows_the_store_it_is_given_and_closes_only_its_own(tmp_path, models_dir):
     from evertrain.runtime import Runtime
     from evertrain.serving.app import Endpoint

@@ -101,27 +101,31 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
         promotion={"confidence": 0.8, "bootstrap_samples": 500},
     )
     rt = Runtime.open(config)
-    for iteration in range(5):
+    for iteration in range(5):  # at most 5 iterations to a first promotion; the rest needs just one champion
         for stage in STAGES:
             run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
+        if rt.store.scalar("SELECT bool_or(promoted) FROM promotions WHERE iteration = ?", [iteration]):
+            break
     promotions = rt.store.query("SELECT * FROM promotions ORDER BY iteration")
     assert promotions["promoted"].any(), promotions[["iteration", "reason"]]
     champion = rt.champion_version()
     assert champion != 1
 
-    # a random-weights challenger for iteration 5 must lose the gate
+    # a random-weights challenger for the next iteration must lose the gate
+    bad_at = iteration + 1
     for stage in ("curate", "rollout", "score"):
-        run_stage(rt, stage, 5, STAGE_FUNCTIONS[stage])
-    bad = _register_random_challenger(rt, 5, models_dir)
-    run_stage(rt, "evaluate", 5, STAGE_FUNCTIONS["evaluate"])
-    metrics = run_stage(rt, "promote", 5, STAGE_FUNCTIONS["promote"])
+        run_stage(rt, stage, bad_at, STAGE_FUNCTIONS[stage])
+    bad = _register_random_challenger(rt, bad_at, models_dir)
+    run_stage(rt, "evaluate", bad_at, STAGE_FUNCTIONS["evaluate"])
+    metrics = run_stage(rt, "promote", bad_at, STAGE_FUNCTIONS["promote"])
     assert metrics["promoted"] == 0.0
     assert rt.champion_version() == champion
-    decision = rt.store.query("SELECT * FROM promotions WHERE iteration = 5").iloc[0]
+    decision = rt.store.query("SELECT * FROM promotions WHERE iteration = ?", [bad_at]).iloc[0]
     assert decision["challenger_version"] == bad and decision["challenger_pass1"] < decision["champion_pass1"]
     # and it cost a quarter of an evaluation: the gate stopped at its first look (eval.looks = 4)
     assert "stopped for futility after 6 of 24 problems" in decision["reason"], decision["reason"]
-    answered = rt.store.query("SELECT count(*) AS n FROM evals WHERE iteration = 5 AND model_version = ?", [bad])
+    answered = rt.store.query("SELECT count(*) AS n FROM evals WHERE iteration = ? AND model_version = ?",
+                              [bad_at, bad])
     assert int(answered["n"].iloc[0]) == 6
 
     # rollback: champion goes back to previous_champion, and the next rollout samples from it
@@ -130,8 +134,9 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
     assert result["champion"] == previous and rt.champion_version() == previous
     assert rt.tracker.alias("previous_champion") == champion
     for stage in ("curate", "rollout"):
-        run_stage(rt, stage, 6, STAGE_FUNCTIONS[stage])
-    used = rt.store.query("SELECT DISTINCT policy_version FROM rollouts WHERE iteration = 6")["policy_version"]
+        run_stage(rt, stage, bad_at + 1, STAGE_FUNCTIONS[stage])
+    used = rt.store.query("SELECT DISTINCT policy_version FROM rollouts WHERE iteration = ?",
+                          [bad_at + 1])["policy_version"]
     assert used.tolist() == [previous]
     assert len(rt.store.query("SELECT * FROM rollbacks")) == 1
 

@@ -3,9 +3,10 @@ default (every backend must run it).
 
 The engine runs under its own interpreter (``.venv-vllm``, built by ``make vllm``; ``make test`` builds it
 and sets EVERTRAIN_REQUIRE_VLLM=1, so these tests fail there instead of skipping when it is missing).
-Every vLLM engine test lives in this file (one pytest-xdist worker, ``--dist loadfile``): the sampler tests share
-the module's ``engines`` (the LoRA and the full-weights engines on the tiny model start once each, about 40
-CPU-seconds a start), while each campaign test's context starts and stops its own, as a campaign run does.
+Every vLLM engine test lives in this file (one pytest-xdist worker, ``--dist loadfile``): the sampler tests and the
+campaign tests share the module's ``engines`` (the LoRA and the full-weights engines on the tiny model start once
+each, about 40 CPU-seconds a start), lent to each campaign's context (``Runtime.open(config, engines=...)``);
+the tool-episode test's context (its own, taught model) starts and stops its own, as a campaign run does.
 
 Tolerances, float32 on both sides: a behaviour log-prob returned by the engine and the trainer's
 recomputation of it agree within 2e-3 per token (vLLM's CPU attention and matrix kernels are not
@@ -198,12 +199,14 @@ def test_tool_episode_through_vllm(taught_model, tmp_path):
     from evertrain.models.policy import checkpoint_digest
     (version,) = set(rollouts["policy_version"])
     assert len(rt.engines) == 1  # the context's one engine, which the stages shared
-    assert rt.engines.get(config, rt.base_model).served == checkpoint_digest(rt.checkpoint(int(version)))
+    engine = rt.engines.get(config, rt.base_model)
+    assert engine.served == checkpoint_digest(rt.checkpoint(int(version)))
     rt.close()
+    assert engine.process.poll() is not None  # the context's own engine stops with it
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_server):
+def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_server, engines):
     from evertrain.flows.campaign import run_campaign
     from evertrain.runtime import Runtime
 
@@ -215,10 +218,14 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
                                          "temperature": 1.0},
                              update={"finetune": finetune, "learning_rate": 1e-3 if finetune == "full" else 1e-2,
                                      "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False})
-    rt = Runtime.open(config)  # campaign_flow's body in a context opened here: its engines can be counted
+    # campaign_flow's body in a context opened here, on the module's engines (the same model and engine settings
+    # as the sampler tests': one engine start spared): its engines can be counted
+    rt = Runtime.open(config, engines=engines)
+    engine = engines.get(config, rt.base_model)  # the campaign's engine, started here or by an earlier test
+    count = len(engines)
     assert run_campaign(rt, 2) == [0, 1]
-    # one engine, the context's, served both iterations' rollouts and evaluations
-    assert len(rt.engines) == 1
+    # one engine, that one, served both iterations' rollouts and evaluations: the campaign started no other
+    assert rt.engines is engines and len(engines) == count and engines.get(config, rt.base_model) is engine
     versions = rt.store.query("SELECT kind FROM model_versions WHERE campaign = ? ORDER BY version", [config.name])
     assert versions["kind"].tolist() == ["base", finetune, finetune]
     rollouts = rt.store.query("SELECT iteration, policy_version, logprobs, completion_ids FROM rollouts")
@@ -233,6 +240,7 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
             # the correction runs on every group; float32 engine and float32 trainer nearly agree
             assert metrics["mismatch_kl"] < 1e-3 and metrics["is_clipped_share"] == 0.0
     rt.close()
+    assert engine.process.poll() is None  # lent: the closed context left it running for the module's other tests
 
 
 # moved from tests/test_vllm_backend.py: its engines (the tiny model's, LoRA and full) are this module's
