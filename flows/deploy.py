@@ -59,8 +59,24 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
                     return url, process
         except OSError:
             time.sleep(1)
-    process.kill()
+    _kill_tree(process)
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout:.0f} s")
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """Kill ``process`` and its descendants: the server's own child processes would otherwise be left running,
+    orphaned, after a start that timed out."""
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    process.kill()
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    process.wait(timeout=30)
 
 
 def build_deployment(config: CampaignConfig, *, interval: float | None = None, cron: str | None = None,
