@@ -104,7 +104,8 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
     for iteration in range(5):  # at most 5 iterations to a first promotion; the rest needs just one champion
         for stage in STAGES:
             run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
-        if rt.store.scalar("SELECT bool_or(promoted) FROM promotions WHERE iteration = ?", [iteration]):
+        decision = rt.store.last_promotion(rt.campaign)
+        if decision is not None and bool(decision["promoted"]):
             break
     promotions = rt.store.query("SELECT * FROM promotions ORDER BY iteration")
     assert promotions["promoted"].any(), promotions[["iteration", "reason"]]
