@@ -73,7 +73,7 @@ $(VLLM_VENV)/.installed:
 # EVERTRAIN_REQUIRE_VLLM: the vLLM tests fail (instead of skipping) when the engine's interpreter is missing
 test: setup vllm
 	$(BIN)/ruff check .
-	EVERTRAIN_REQUIRE_VLLM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	EVERTRAIN_REQUIRE_VLLM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # the docs site into site/; its reference pages (docs/reference/) are generated from the code by the
 # hook in mkdocs.yml (evertrain/docs_reference.py), so they list whatever the code has

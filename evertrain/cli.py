@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -233,41 +234,71 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return status
 
 
-def _cmd_envs(args: argparse.Namespace) -> int:
+def _env_row(name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
+    """One row of `evertrain envs`: what ``name`` is and, with ``validate_problems``, its self-test.
+    Top-level (and importing what it needs) so that a process of a pool can run it."""
     from evertrain.envs import registry
     from evertrain.envs.quality import validate
 
-    rows = []
-    failed = 0
+    env = registry.get(name)
+    try:
+        count = env.count("train")
+        held = env.count("eval")
+    except Exception as error:
+        count, held = None, None
+        problems = f"needs options ({error})"
+    else:
+        problems = "generated" if count is None else f"{count} train / {held} eval"
+    row: dict[str, Any] = {"name": name, "kind": env.kind, "source": env.source, "problems": problems,
+                           "tools": sorted(env.tools), "max_turns": env.max_turns}
+    if validate_problems:
+        if problems.startswith("needs options"):
+            row["validation"] = "skipped: " + problems
+            row["selftest"] = {"env": name, "ok": None, "status": "skipped", "reason": problems}
+        else:
+            report = validate(env, problems=validate_problems)
+            row["validation"] = "ok" if report.ok else "FAILED: " + (
+                "; ".join(report.failures[:3]) or "no problems to check")
+            row["selftest"] = report.as_dict(cases=cases)
+    return row
+
+
+def _env_rows(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every environment's row, in ``names``' order; self-tests on ``args.jobs`` processes (most verifiers are
+    pure Python, so threads would share one core). Progress goes to stderr, always."""
+    if not args.validate:
+        return [_env_row(name, 0, False) for name in names]
+    jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(names)))
+    rows: dict[str, dict[str, Any]] = {}
+
+    def said(row: dict[str, Any]) -> None:
+        rows[row["name"]] = row
+        print(f"self-test {row['name']} ... {row['selftest']['status']} ({len(rows)}/{len(names)})",
+              file=sys.stderr, flush=True)
+
+    if jobs == 1:
+        for name in names:
+            said(_env_row(name, args.validate, args.cases))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn, not fork: the parent may hold threads and open sandboxes' state
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_env_row, name, args.validate, args.cases) for name in names]
+            for future in as_completed(futures):
+                said(future.result())
+    return [rows[name] for name in names]
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from evertrain.envs import registry
+
     names = registry.names(include_rg=True)
     for wanted in args.env or []:
         registry.check_name(wanted)
-    for name in (args.env or names):
-        env = registry.get(name)
-        try:
-            count = env.count("train")
-            held = env.count("eval")
-        except Exception as error:
-            count, held = None, None
-            problems = f"needs options ({error})"
-        else:
-            problems = "generated" if count is None else f"{count} train / {held} eval"
-        row: dict[str, Any] = {"name": name, "kind": env.kind, "source": env.source, "problems": problems,
-                               "tools": sorted(env.tools), "max_turns": env.max_turns}
-        if args.validate:
-            # progress goes to stderr, always: with --json, stdout carries the JSON document alone
-            print(f"self-test {name} ...", end="", file=sys.stderr, flush=True)
-            if problems.startswith("needs options"):
-                row["validation"] = "skipped: " + problems
-                row["selftest"] = {"env": name, "ok": None, "status": "skipped", "reason": problems}
-            else:
-                report = validate(env, problems=args.validate)
-                failed += not report.ok
-                row["validation"] = "ok" if report.ok else "FAILED: " + (
-                    "; ".join(report.failures[:3]) or "no problems to check")
-                row["selftest"] = report.as_dict(cases=args.cases)
-            print(f" {row['selftest']['status']}", file=sys.stderr, flush=True)
-        rows.append(row)
+    rows = _env_rows(list(args.env or names), args)
+    failed = sum(1 for row in rows if row.get("selftest", {}).get("ok") is False)
     if args.json:
         args.rows = rows  # printed by cmd_envs, once stdout is stdout again
         return 1 if failed else 0
@@ -432,13 +463,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     schedule = f"every {args.interval:g} s" if args.interval is not None else f"cron {args.cron!r}"
     print(f"serving campaign(s) {names}: {args.iterations_per_run} iteration(s) per run, {schedule}, "
           "one run at a time; trigger runs from the Prefect UI; Ctrl-C stops", file=sys.stderr)
+    # SIGTERM (a service manager's stop, `kill`) stops like Ctrl-C: the deployments are paused and the Prefect
+    # server started above is stopped, not left running without its parent (Prefect's runner handles SIGTERM
+    # itself once it runs; this covers the moments before)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve(configs, interval=args.interval, cron=args.cron, iterations_per_run=args.iterations_per_run)
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
+            from evertrain.flows.deploy import stop_server
+
+            stop_server(server)
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
@@ -581,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "answers earn 1, a battery of known-bad ones exactly 0); exit status 1 if any fails")
     envs.add_argument("--env", action="append", metavar="NAME", help="only this environment (repeatable)")
     envs.add_argument("--cases", action="store_true", help="with --json --validate: every self-test case")
+    envs.add_argument("--jobs", type=int, default=0, metavar="N",
+                      help="with --validate: self-test N environments at a time, each in a process of its own "
+                           "(default: one per CPU core)")
     envs.set_defaults(func=cmd_envs)
 
     report = sub.add_parser("report", help="the per-iteration table of a campaign")

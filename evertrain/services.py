@@ -233,15 +233,17 @@ def stop(root: Path) -> None:
     if not state.exists():
         return
     info = json.loads(state.read_text())
-    for name in ("prefect", "mlflow"):
-        pid = info.get(name, {}).get("pid")
-        if pid and _alive(pid):
+    # both servers told at once, then awaited together: each takes seconds to shut down gracefully
+    pids = [pid for name in ("prefect", "mlflow") if (pid := info.get(name, {}).get("pid")) and _alive(pid)]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGTERM)  # its own session: the server and its workers
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        if _alive(pid):
             with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGTERM)  # its own session: the server and its workers
-            deadline = time.monotonic() + 20
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if _alive(pid):
                 os.killpg(pid, signal.SIGKILL)
     if "postgres" in info:
         stop_postgres(Path(info["postgres"]["data"]))

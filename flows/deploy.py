@@ -63,6 +63,18 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout:.0f} s")
 
 
+def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a server :func:`start_server` started: SIGTERM, then its whole process tree if it has not exited
+    within ``timeout`` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(process)
+
+
 def _kill_tree(process: subprocess.Popen) -> None:
     """Kill ``process`` and its descendants: the server's own child processes would otherwise be left running,
     orphaned, after a start that timed out."""

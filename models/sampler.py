@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import tempfile
 import threading
@@ -317,6 +318,9 @@ class VLLMEngine:
                 with self._lock:
                     self.connection.send({"op": "shutdown"})
                     self.connection.recv()
+                # nothing is in flight now: the whole group at once (the engine script, vLLM's engine core and its
+                # worker), or vLLM stops its processes one after the other, waiting out a grace period for each
+                os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=30)
             except (OSError, EOFError, subprocess.TimeoutExpired):
                 pass

@@ -137,12 +137,15 @@ def preloaded():
     preloaders.close()
 
 
-# The longest files first (durations of the fresh-clone runs in docs/benchmarks/tests.md): with pytest-xdist's
-# --dist loadfile each worker takes the next file as it frees up, so a long file collected last (they are
-# collected alphabetically) would run alone on one core at the end while the other core idles.
-LONGEST_FIRST = ("test_servers.py", "test_deployments.py", "test_crash_safety.py", "test_endpoint_vllm.py",
-                 "test_approval.py", "test_vllm.py", "test_ray.py", "test_campaign_flow.py",
-                 "test_many_envs.py", "test_endpoint.py", "test_store_concurrency.py", "test_portable.py")
+# The longest files first (their wall times in the suite, docs/benchmarks/tests.md): with pytest-xdist's
+# --dist loadfile each worker takes the next file as it frees up, so a long file taken last would run alone on
+# one core at the end while the other idles. `make test` passes --no-loadscope-reorder: xdist otherwise
+# reorders the files by their number of tests, which put the long one-test files (servers, deployments) last.
+LONGEST_FIRST = ("test_servers.py", "test_vllm.py", "test_deployments.py", "test_endpoint_vllm.py", "test_ray.py",
+                 "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py", "test_crash_safety.py",
+                 "test_endpoint.py", "test_adversarial_sandbox.py", "test_approval.py", "test_accelerate.py",
+                 "test_curriculum.py", "test_notebook.py", "test_portable.py", "test_tool_rollout.py",
+                 "test_update_data_parallel.py", "test_adversarial.py", "test_backends.py", "test_async.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -452,17 +452,16 @@ def test_a_slow_redaction_does_not_stall_other_requests(live):
 
     _config, _rt, server, _client = live
     original = server.endpoint.redactor
-    rule = RedactionConfig(patterns=[r"(x|xx)+y"], timeout_seconds=60)  # backtracks: seconds on 29 x's
+    rule = RedactionConfig(patterns=[r"(x|xx)+y"], timeout_seconds=60)  # backtracks: seconds on 30 x's
     server.endpoint.redactor = Redactor(rule)
     try:
-        began = time.perf_counter()
-        server.endpoint.redactor.text("x" * 29)
-        slow = time.perf_counter() - began
         answered = {}
 
         def send() -> None:
+            began = time.perf_counter()
             answered["response"] = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-                "model": "no-such-model", "messages": [{"role": "user", "content": "x" * 29}]})
+                "model": "no-such-model", "messages": [{"role": "user", "content": "x" * 30}]})
+            answered["seconds"] = time.perf_counter() - began
 
         sender = threading.Thread(target=send)
         sender.start()
@@ -477,7 +476,9 @@ def test_a_slow_redaction_does_not_stall_other_requests(live):
         server.endpoint.redactor = original
     response = answered["response"]
     assert response.status_code == 404
-    assert len(waits) >= 3 and max(waits) < slow / 2, (slow, waits)
+    # measured against the slow request's own duration (on a loaded machine both stretch alike): a stalled
+    # event loop would hold one /health for most of it
+    assert len(waits) >= 3 and max(waits) < answered["seconds"] / 3, (answered["seconds"], waits)
     row = _stored(server, "SELECT error FROM traces WHERE trace_id = ?", [response.headers[TRACE_HEADER]])
     assert row["error"].iloc[0].startswith("model_not_found")
 

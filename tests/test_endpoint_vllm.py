@@ -121,15 +121,23 @@ def test_a_full_weights_version_gets_a_vllm_server_of_its_own(on_vllm, tmp_path)
     rt.store.replace("model_versions", {"campaign": "vl", "version": version}, [{
         "campaign": "vl", "version": version, "iteration": 1, "kind": "full", "path": str(folder),
         "parent_version": 1, "created_at": now()}])
+    champion = server.endpoint.champion
+    before = champion.current.version
     rollback(rt, to_version=version, reason="full weights promoted by hand")
+    # while the new version's server starts, the one before is served; then the swap. The wait watches the
+    # endpoint's own swap (no request): vLLM's worker spins for a second after every request it reads, so a
+    # client asking every second would keep one core busy while the second server starts on the other
+    meanwhile = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                               max_tokens=8, temperature=0)
+    # (a server start takes seconds: answered before the swap, so by the version before)
+    assert meanwhile.model == f"vl@v{before}" or champion.current.version == version
     deadline = time.monotonic() + 600
-    while True:
-        answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                                                max_tokens=8, temperature=0)
-        if answer.model == f"vl@v{version}":
-            break
-        assert time.monotonic() < deadline, server.endpoint.champion.last_error
-        time.sleep(1.0)
+    while champion.current.version != version:
+        assert time.monotonic() < deadline, champion.last_error
+        time.sleep(0.2)
+    answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                            max_tokens=8, temperature=0)
+    assert answer.model == f"vl@v{version}"
     servers = server.endpoint.champion.vllm
     assert answer.model_extra["evertrain"]["served_by"] == f"vl@v{version}"
     full = servers.full[version]

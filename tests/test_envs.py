@@ -122,8 +122,9 @@ def test_envs_validate_json_parses_and_progress_goes_to_stderr():
     import subprocess
     import sys
 
-    # rg:bf's generator prints dots to stdout while it builds problems: they must not reach the JSON
-    result = subprocess.run([sys.executable, "-m", "evertrain.cli", "envs", "--validate", "1", "--json",
+    # rg:bf's generator prints dots to stdout while it builds problems: they must not reach the JSON, not from
+    # the processes of the pool either (--jobs 2), whose rows come back in the order asked for
+    result = subprocess.run([sys.executable, "-m", "evertrain.cli", "envs", "--validate", "1", "--json", "--jobs", "2",
                              "--env", "arithmetic", "--env", "rg:coin_flip", "--env", "rg:bf"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]

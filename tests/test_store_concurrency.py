@@ -61,9 +61,10 @@ def test_readers_see_whole_stages_while_a_campaign_writes(tmp_path, models_dir, 
                               env=env, stdout=reader_log, stderr=subprocess.STDOUT)
     writer = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "run", "--config", str(config_file),
                                "--iterations", "2"], cwd=tmp_path, env=env, stdout=writer_log, stderr=subprocess.STDOUT)
-    # `evertrain sql` from another shell answers while the campaign writes (the README's promise)
+    # `evertrain sql` from another shell answers while the campaign writes (the README's promise); asked until
+    # it has answered twice (each is a process of its own, seconds of imports, taken from the campaign's CPU)
     answers = []
-    while writer.poll() is None:
+    while writer.poll() is None and len(answers) < 2:
         sql = subprocess.run([sys.executable, "-m", "evertrain.cli", "sql", "SELECT count(*) AS n FROM rollouts",
                               "--store", config.paths.store, "--format", "json"],
                              env=env, capture_output=True, text=True, timeout=120)
