@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -87,8 +88,7 @@ def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
     # the Prefect server it started is stopped with it, not left running on its own
     port = re.search(r"started a Prefect server: UI at http://127\.0\.0\.1:(\d+)", log.read_text()).group(1)
     left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-            if p.info["cmdline"] and "server" in p.info["cmdline"] and f"--port={port}" in " ".join(p.info["cmdline"])
-            .replace("--port ", "--port=")]
+            if "server" in (cmd := p.info["cmdline"] or []) and ("--port", port) in itertools.pairwise(cmd)]
     assert not left, f"the Prefect server on port {port} outlived `evertrain serve`: {left}"
     assert _finished_runs(tmp_path, "served") >= 2
     store = Store(store_uri(tmp_path), read_only=True)
