@@ -930,7 +930,7 @@ def main() -> None:
     from evertrain.runtime import quiet_libraries
 
     quiet_libraries()
-    from benchmarks.common import save
+    from benchmarks.common import machine, save
     from evertrain.models.policy import resolve_base, sampling_dtype, write_base_checkpoint
 
     args.seed = seeds[0]
@@ -1022,6 +1022,7 @@ def main() -> None:
             try:
                 result = run_worker(system, args, seed_dir, base_model, seed, budget)
                 run = evaluate_seed(system, seed, result, evaluate, transfer, base, base_transfer, args.curve)
+                run["cpu"] = machine()["cpu"]  # CPU-time budgets buy different work on different CPUs: kept per run
                 payload["runs"].append(run)
                 if system == "evertrain" and matched:
                     budget = run["cpu_min"]  # TRL gets what evertrain spent, all in

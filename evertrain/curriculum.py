@@ -65,7 +65,6 @@ transfer splits (``evals.split = 'broad'``).
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 from abc import ABC, abstractmethod
@@ -216,15 +215,7 @@ class TerminalLadder(Ladder):
                 "vendored one-command tasks", "all vendored tasks, code fixes included")[level]
 
     def generated(self, names: list[str]) -> list[Problem]:
-        from evertrain.envs.terminal import generated_task, workspace_tar
-
-        out = []
-        for name in names:
-            task = generated_task(name)
-            payload = {"task": name, "workspace": base64.b64encode(workspace_tar(task.files)).decode(),
-                       "files": sorted(task.files)}
-            out.append(Problem.make(self.env.name, task.prompt, payload, "train"))
-        return out
+        return self.env.generated_problems(names, "train")
 
     def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
         from evertrain.envs.terminal_levels import task_names

@@ -301,3 +301,33 @@ def test_terminal_level_zero_tasks_pass_their_reference_and_nothing_else():
     every = {p.payload["task"] for p in ladder.problems(2, 60, 0, lambda ids: {})}
     assert not any(name.startswith("fix-") for name in one) and any(name.startswith("fix-") for name in every)
     assert task_names(5, 1) == task_names(5, 1) != task_names(5, 2)
+
+
+def test_terminal_generated_held_out_tasks_are_new_tasks_of_the_trained_kinds():
+    """held_out = "generated": the gate's and the sealed test split's tasks are level-0 kinds with names, words and
+    folders no training task uses; curation keeps them out by id; each passes its reference and nothing else."""
+    from evertrain.envs.terminal_levels import TEMPLATES, generated_spec, task_names
+
+    env = registry.get("terminal", held_out="generated")
+    assert env.templated and not registry.get("terminal").templated
+    with pytest.raises(ValueError, match="held_out"):
+        registry.get("terminal", held_out="everything")
+    gate = env.problems("eval", 18, 0)
+    sealed = env.sealed_problems("test", 18, 0, 18)
+    assert env.count("eval") is None and [p.payload["task"] for p in env.problems("eval", 9, 0)] == \
+        [p.payload["task"] for p in gate[:9]]  # a prefix: the gate's size moves nothing else
+    assert {p.id for p in gate}.isdisjoint({p.id for p in sealed}) and len({p.id for p in gate + sealed}) == 36
+    assert {p.payload["task"].split(":")[1] for p in gate} == set(TEMPLATES)
+
+    def words(problems: list) -> set[str]:
+        return {w for p in problems for w in re.findall(r"[a-z]+", p.prompt + " ".join(p.payload["files"]))}
+
+    training = [p for seed in range(20) for p in ladder_for(env).problems(0, 18, seed, lambda ids: {})]
+    names = {"notes", "todo", "report", "draft", "list", "summary", "plan", "data", "memo", "ideas", "tasks",
+             "backup", "archive", "docs", "old", "src", "out", "apple", "river", "stone", "cloud", "maple"}
+    assert words(training) & names and not words(gate + sealed) & names  # its own vocabulary (.log: an extension)
+    assert not {generated_spec(p.payload["task"])["prompt"] for p in gate + sealed} & {p.prompt for p in training}
+    assert not {p.payload["task"] for p in gate + sealed} & set(task_names(500, 0))
+    for problem in gate[:len(TEMPLATES)]:
+        assert env.verify(problem, env.reference(problem) or "").passed, problem.payload["task"]
+        assert not env.verify(problem, "<bash>\nls\n</bash>").passed

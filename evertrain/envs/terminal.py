@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from evertrain.envs.base import Environment, Problem, Split, Tool, Verdict, vendored_path
-from evertrain.envs.terminal_levels import generated_spec
+from evertrain.envs.terminal_levels import generated_spec, held_out_task_names
 from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, strip_tool_blocks
 from evertrain.sandbox.bwrap import Limits, run_python
 
@@ -274,8 +274,17 @@ class Terminal(Environment):
         {"role": "assistant", "content": "count.txt now holds 3. Done."},
     )
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, held_out: str = "vendored") -> None:
+        if held_out not in ("vendored", "generated"):
+            raise ValueError(f"terminal: held_out must be 'vendored' or 'generated', not {held_out!r}")
         self.path = path  # a folder of task files; None: the vendored data/terminal/tasks
+        # "generated": the gate's and the sealed test split's tasks are generated one-command tasks (the
+        # curriculum's level 0) from a number range no training draw uses, so a campaign that starts at level 0
+        # is measured on tasks of the kind it learns; "vendored": the vendored held-out tasks
+        self.held_out = held_out
+        # generated tasks are stamped from templates: kept apart from their held-out set by exact ids and their
+        # own vocabulary (terminal_levels), not by word n-grams, which every "Delete the file ..." shares
+        self.templated = held_out == "generated"  # type: ignore[misc]
 
     @cached_property
     def tasks(self) -> list[TerminalTask]:
@@ -297,6 +306,8 @@ class Terminal(Environment):
     def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
         import random
 
+        if split == "eval" and self.held_out == "generated":
+            return self.generated_problems(held_out_task_names(n, seed), "eval")
         pool = self._splits[split]
         if split == "eval":
             return pool[:n]
@@ -305,7 +316,19 @@ class Terminal(Environment):
         return rng.sample(pool, min(n, len(pool))) + [rng.choice(pool) for _ in range(max(0, n - len(pool)))]
 
     def count(self, split: Split) -> int | None:
+        if split == "eval" and self.held_out == "generated":
+            return None  # generated without end: the sealed test split is the tasks after the gate's
         return len(self._splits[split])
+
+    def generated_problems(self, names: list[str], split: Split) -> list[Problem]:
+        """Problems of the generated one-command tasks named ``names`` (``gen:<template>:<number>``)."""
+        out = []
+        for name in names:
+            task = generated_task(name)
+            payload = {"task": name, "workspace": base64.b64encode(workspace_tar(task.files)).decode(),
+                       "files": sorted(task.files)}
+            out.append(Problem.make(self.name, task.prompt, payload, split))
+        return out
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         chat = super().messages(problem)

@@ -18,12 +18,31 @@ from collections.abc import Callable
 from typing import Any
 
 PREFIX = "gen:"
+HELD_OUT_FROM = 1_000_000  # task numbers from here on are held out (own vocabulary): task_names never draws them
 
 _NAMES = ("notes", "todo", "report", "draft", "list", "summary", "plan", "log", "data", "memo", "ideas", "tasks")
 _EXTS = ("txt", "md", "csv", "log")
 _WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "ocean", "piano", "rocket", "amber",
           "cedar", "delta", "ember", "frost", "grape", "honey", "ivory", "jelly", "kiwi")
 _DIRS = ("backup", "archive", "docs", "old", "src", "out")
+
+
+# the held-out tasks' own names, words and folders: none is in the lists above, so no held-out task (a number
+# from HELD_OUT_FROM on) has the content of a training one, only its kind
+_HELD_OUT_VOCABULARY: dict[tuple[str, ...], tuple[str, ...]] = {
+    _NAMES: ("budget", "invoice", "journal", "recipe", "letter", "agenda", "diary", "backlog", "outline", "roster",
+             "ledger", "minutes"),
+    _WORDS: ("banana", "canyon", "desert", "falcon", "garden", "harbor", "island", "jungle", "lantern", "meadow",
+             "nectar", "orchid", "pepper", "quartz", "raven", "saddle", "tulip", "velvet", "walnut", "zebra"),
+    _DIRS: ("saved", "vault", "stash", "inbox", "shelf", "final"),
+}
+
+
+class _HeldOutRandom(random.Random):
+    """A template's random source for a held-out task: it draws from the held-out vocabulary."""
+
+    def choice(self, seq: Any) -> Any:
+        return super().choice(_HELD_OUT_VOCABULARY.get(seq, seq) if isinstance(seq, tuple) else seq)
 
 
 def _file(rng: random.Random, avoid: set[str]) -> str:
@@ -139,7 +158,8 @@ def task_spec(template: str, number: int) -> dict[str, Any]:
     """The prompt, files, checker and reference solution of generated task ``number`` of ``template``."""
     if template not in TEMPLATES:
         raise ValueError(f"terminal: unknown generated task template {template!r}; known: {sorted(TEMPLATES)}")
-    return TEMPLATES[template](random.Random(f"terminal-level0:{template}:{number}"))
+    source = _HeldOutRandom if number >= HELD_OUT_FROM else random.Random
+    return TEMPLATES[template](source(f"terminal-level0:{template}:{number}"))
 
 
 def generated_spec(name: str) -> dict[str, Any]:
@@ -158,4 +178,14 @@ def task_names(n: int, seed: int) -> list[str]:
     rng = random.Random(f"terminal-level0-draw:{seed}")
     order = sorted(TEMPLATES)
     rng.shuffle(order)
-    return [f"{PREFIX}{order[i % len(order)]}:{rng.randrange(1_000_000)}" for i in range(n)]
+    return [f"{PREFIX}{order[i % len(order)]}:{rng.randrange(HELD_OUT_FROM)}" for i in range(n)]
+
+
+def held_out_task_names(n: int, seed: int) -> list[str]:
+    """``n`` held-out generated task names (the terminal's gate and sealed test split with ``held_out =
+    "generated"``): templates in turn, numbers of their own range, so no training draw names one of them.
+    A prefix of a longer draw: the sealed test split is the names after the gate's."""
+    rng = random.Random(f"terminal-level0-held-out:{seed}")
+    order = sorted(TEMPLATES)
+    rng.shuffle(order)
+    return [f"{PREFIX}{order[i % len(order)]}:{HELD_OUT_FROM + rng.randrange(1_000_000)}" for i in range(n)]
