@@ -69,6 +69,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the report is read through the same connection before it closes
     from evertrain.report import champion_vs_base, format_refusal, format_versus, last_refusal, share_line
 
+    # SIGTERM (`kill`, a service manager's stop) stops like Ctrl-C: the flow run is marked, the store closed and
+    # the temporary Prefect server Prefect started for this run stopped (by default SIGTERM ended the process
+    # at once and left that server running without its parent)
+    signal.signal(signal.SIGTERM, _interrupt)
     with Runtime.open(config) as rt:
         done = campaign_flow_in(rt)(config, args.iterations)
         rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]

@@ -145,7 +145,8 @@ LONGEST_FIRST = ("test_servers.py", "test_vllm.py", "test_deployments.py", "test
                  "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py", "test_crash_safety.py",
                  "test_endpoint.py", "test_adversarial_sandbox.py", "test_approval.py", "test_accelerate.py",
                  "test_curriculum.py", "test_notebook.py", "test_portable.py", "test_tool_rollout.py",
-                 "test_update_data_parallel.py", "test_adversarial.py", "test_backends.py", "test_async.py")
+                 "test_update_data_parallel.py", "test_adversarial.py", "test_backends.py", "test_async.py",
+                 "test_run_signal.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

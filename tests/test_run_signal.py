@@ -1,0 +1,50 @@
+"""SIGTERM stops `evertrain run` like Ctrl-C: status 130, and the temporary Prefect server that Prefect started
+for the run stops with it (before, SIGTERM ended the process at once and left that server running)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.conftest import smoke_config_in
+
+
+def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir):
+    config = smoke_config_in(tmp_path, models_dir, name="sigterm")
+    path = tmp_path / "campaign.json"
+    path.write_text(json.dumps(config.model_dump(mode="json")))
+    # no Prefect server of the suite's: the run starts Prefect's temporary one, as `make demo` does
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(EVERTRAIN_PROGRESS="0", PREFECT_HOME=str(tmp_path / "prefect"))
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "run", "--config", str(path),
+                                    "--iterations", "50"], cwd=tmp_path, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    servers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not servers and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.5)
+            if "Beginning subflow run" in log.read_text():  # the campaign is inside an iteration
+                servers = [p for p in psutil.Process(process.pid).children(recursive=True)
+                           if "uvicorn" in " ".join(p.cmdline())]
+        assert servers, f"no temporary Prefect server seen: {log.read_text()[-3000:]}"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+        assert "interrupted" in log.read_text()
+        _, alive = psutil.wait_procs(servers, timeout=20)
+        assert not alive, f"the temporary Prefect server outlived evertrain run: {[p.pid for p in alive]}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for server in servers:
+            with contextlib.suppress(psutil.Error):
+                server.kill()
