@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from evertrain.envs.base import Environment, Problem, Split, Tool, Verdict, vendored_path
-from evertrain.envs.terminal_levels import generated_spec, held_out_task_names
+from evertrain.envs.terminal_levels import generated_spec, task_names
 from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, strip_tool_blocks
 from evertrain.sandbox.bwrap import Limits, run_python
 
@@ -307,7 +307,7 @@ class Terminal(Environment):
         import random
 
         if split == "eval" and self.held_out == "generated":
-            return self.generated_problems(held_out_task_names(n, seed), "eval")
+            return self.generated_problems(task_names(n, seed, held_out=True), "eval")
         pool = self._splits[split]
         if split == "eval":
             return pool[:n]

@@ -173,19 +173,13 @@ def generated_spec(name: str) -> dict[str, Any]:
     return {"prompt": spec["prompt"], "files": spec["files"], "check": spec["check"], "solution": spec["solution"]}
 
 
-def task_names(n: int, seed: int) -> list[str]:
-    """``n`` generated task names drawn from ``seed``: templates in turn, numbers at random."""
-    rng = random.Random(f"terminal-level0-draw:{seed}")
+def task_names(n: int, seed: int, held_out: bool = False) -> list[str]:
+    """``n`` generated task names drawn from ``seed``: templates in turn, numbers at random. ``held_out``: the
+    terminal's gate and sealed test split with ``held_out = "generated"``, numbers from :data:`HELD_OUT_FROM` on
+    (their own vocabulary), so no training draw names one of them; a prefix of a longer draw, so the sealed test
+    split is the names after the gate's."""
+    rng = random.Random(f"terminal-level0-{'held-out' if held_out else 'draw'}:{seed}")
     order = sorted(TEMPLATES)
     rng.shuffle(order)
-    return [f"{PREFIX}{order[i % len(order)]}:{rng.randrange(HELD_OUT_FROM)}" for i in range(n)]
-
-
-def held_out_task_names(n: int, seed: int) -> list[str]:
-    """``n`` held-out generated task names (the terminal's gate and sealed test split with ``held_out =
-    "generated"``): templates in turn, numbers of their own range, so no training draw names one of them.
-    A prefix of a longer draw: the sealed test split is the names after the gate's."""
-    rng = random.Random(f"terminal-level0-held-out:{seed}")
-    order = sorted(TEMPLATES)
-    rng.shuffle(order)
-    return [f"{PREFIX}{order[i % len(order)]}:{HELD_OUT_FROM + rng.randrange(1_000_000)}" for i in range(n)]
+    start = HELD_OUT_FROM if held_out else 0
+    return [f"{PREFIX}{order[i % len(order)]}:{start + rng.randrange(HELD_OUT_FROM)}" for i in range(n)]
