@@ -25,7 +25,6 @@ Written to ``benchmarks/results/flywheel.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from evertrain import processes
 from evertrain.config import CampaignConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,18 +235,6 @@ def cancel_run(run_id: Any) -> None:
         client.set_flow_run_state(run_id, Cancelling(), force=True)
 
 
-def stop_process(process: subprocess.Popen, timeout: float = 60) -> None:
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGINT)
-        process.wait(timeout=timeout)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-
 # --- measuring ----------------------------------------------------------------------------------------------
 
 def outcomes(store: Any, campaign: str, trace_ids: list[str]) -> dict[str, bool]:
@@ -427,11 +415,10 @@ def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log
         if traffic is not None:
             traffic.stop()
         if runner is not None:
-            stop_process(runner)
+            processes.stop([runner], signal.SIGINT, timeout=60)  # as Ctrl-C: it cancels its flow runs
         if server is not None:
             server.stop()
-        prefect.terminate()
-        prefect.wait(timeout=60)
+        processes.stop([prefect], timeout=60)  # the Prefect server start_server started, with its workers
 
 
 def gate_decisions(store: Any, campaign: str) -> list[dict[str, Any]]:

@@ -19,12 +19,10 @@ command that started them until ``evertrain services stop``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from evertrain import processes
 
 PG_BIN = Path(os.environ.get("EVERTRAIN_PG_BIN", "/usr/lib/postgresql/15/bin"))
 DATABASES = ("prefect", "mlflow", "evertrain")
@@ -207,24 +207,9 @@ def status(root: Path) -> dict[str, Any] | None:
     if not state.exists():
         return None
     info = json.loads(state.read_text())
-    alive = all(_alive(info.get(name, {}).get("pid")) for name in ("prefect", "mlflow"))
+    alive = all(processes.alive(info.get(name, {}).get("pid")) for name in ("prefect", "mlflow"))
     pg_alive = (Path(info["postgres"]["data"]) / "postmaster.pid").exists()
     return info if alive and pg_alive and "env" in info else None
-
-
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    # a server this process started (the tests do) stays a zombie, which signal 0 still reaches, until it is
-    # reaped: without this, stop() waited out its whole deadline for each server that had already exited
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 def stop(root: Path) -> None:
@@ -234,17 +219,7 @@ def stop(root: Path) -> None:
         return
     info = json.loads(state.read_text())
     # both servers told at once, then awaited together: each takes seconds to shut down gracefully
-    pids = [pid for name in ("prefect", "mlflow") if (pid := info.get(name, {}).get("pid")) and _alive(pid)]
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGTERM)  # its own session: the server and its workers
-    deadline = time.monotonic() + 20
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in pids:
-        if _alive(pid):
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
+    processes.stop([pid for name in ("prefect", "mlflow") if (pid := info.get(name, {}).get("pid"))], timeout=20)
     if "postgres" in info:
         stop_postgres(Path(info["postgres"]["data"]))
     state.unlink()

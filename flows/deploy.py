@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from evertrain import processes
 from evertrain.config import CampaignConfig
 
 
@@ -46,8 +48,9 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
     env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": str(scheduler_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     prefect = Path(sys.executable).with_name("prefect")
+    # a session of its own: stopping it stops its uvicorn workers too (evertrain.processes)
     process = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -59,36 +62,14 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
                     return url, process
         except OSError:
             time.sleep(1)
-    _kill_tree(process)
+    processes.stop([process], signal.SIGKILL, timeout=0)
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout:.0f} s")
 
 
 def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
-    """Stop a server :func:`start_server` started: SIGTERM, then its whole process tree if it has not exited
-    within ``timeout`` seconds."""
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(process)
-
-
-def _kill_tree(process: subprocess.Popen) -> None:
-    """Kill ``process`` and its descendants: the server's own child processes would otherwise be left running,
-    orphaned, after a start that timed out."""
-    import psutil
-
-    try:
-        children = psutil.Process(process.pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    process.kill()
-    for child in children:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    process.wait(timeout=30)
+    """Stop a server :func:`start_server` started: SIGTERM to it and its workers, then SIGKILL to what is left
+    after ``timeout`` seconds."""
+    processes.stop([process], timeout=timeout)
 
 
 def build_deployment(config: CampaignConfig, *, interval: float | None = None, cron: str | None = None,

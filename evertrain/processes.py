@@ -1,0 +1,65 @@
+"""Stopping the servers and runners evertrain starts: one way, for all of them.
+
+Every long-lived child evertrain starts (the Prefect and MLflow servers of ``evertrain services``, the Prefect
+server ``evertrain serve`` and the flywheel start, the flywheel's deployment runner) is started in a session of
+its own, so it and the processes it starts in turn (uvicorn workers, flow-run subprocesses) form one process
+group. :func:`stop` signals whole groups, waits for their leaders, then kills what is left: nothing is
+orphaned, and a child that has already exited costs no waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+
+Process = subprocess.Popen | int
+
+
+def _pid(process: Process) -> int:
+    return process if isinstance(process, int) else process.pid
+
+
+def alive(process: Process | None) -> bool:
+    """Whether ``process`` (a ``Popen`` or a pid) is still running. A child of this process that has exited is
+    reaped here: a zombie still answers signal 0, which would make every wait for it run out its deadline."""
+    if process is None:
+        return False
+    if not isinstance(process, int):
+        return process.poll() is None
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(process, os.WNOHANG)[0] == process:
+            return False
+    try:
+        os.kill(process, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stop(processes: Iterable[Process], first: int = signal.SIGTERM, timeout: float = 30.0) -> list[int]:
+    """Stop each of ``processes`` (session leaders: ``Popen(..., start_new_session=True)`` or their pids) with
+    its whole process group: ``first`` to every group at once (SIGTERM, or SIGINT for a Prefect runner, which
+    then cancels its flow runs as on Ctrl-C), up to ``timeout`` seconds for the leaders to exit, then SIGKILL to
+    every group that still has a member. Returns the pids of the leaders that had to be killed."""
+    leaders = [p for p in processes if alive(p)]
+    for process in leaders:
+        with contextlib.suppress(OSError):
+            os.killpg(_pid(process), first)
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in leaders) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = [_pid(p) for p in leaders if alive(p)]
+    for process in leaders:  # also the leaders that exited: their children may not have
+        with contextlib.suppress(OSError):
+            os.killpg(_pid(process), signal.SIGKILL)
+    for process in leaders:
+        if not isinstance(process, int):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+        else:
+            alive(process)  # reaps it if it is this process's child
+    return killed
