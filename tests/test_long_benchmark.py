@@ -62,3 +62,42 @@ def test_the_bar_is_against_the_stronger_baseline():
     # without the warm-started baseline the same evertrain runs meet the bar against plain TRL
     plain = vs_trl.aggregate([r for r in runs if r["system"] != "trl_warm"], base, {"passed": "0000"})["bar"]
     assert plain["baseline"] == "trl" and plain["met"]
+
+
+def _answers(rows: list[tuple[str, str, int, float]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=["set", "problem_id", "model_version", "reward"])
+
+
+def test_trainee_gain_is_paired_per_problem_and_stratified_by_set():
+    from benchmarks import trainee_gain
+
+    # gate: the trainee (v7) solves both problems the base missed; extra: one loss, and one problem only the base
+    # answered (left out of the pairing)
+    rows = [("gate", p, v, r) for p in "ab" for v, r in ((1, 0.0), (7, 1.0))]
+    rows += [("extra", "c", 1, 1.0), ("extra", "c", 7, 0.0), ("extra", "d", 1, 0.0), ("extra", "d", 7, 0.0),
+             ("extra", "e", 1, 1.0)]
+    gate = trainee_gain.paired(_answers(rows)[lambda f: f["set"] == "gate"], 1, 7)
+    assert (gate["problems"], gate["gain"], gate["ci95"]) == (2, 1.0, [1.0, 1.0])
+    both = trainee_gain.paired(_answers(rows), 1, 7)
+    assert both["problems"] == 4 and both["gain"] == pytest.approx(0.25)
+    assert (both["base_pass1"], both["trainee_pass1"]) == (pytest.approx(0.25), pytest.approx(0.5))
+    # stratified: the gate's two +1s are in every resample, the extra set's -1 in about half of them
+    assert both["ci95"] == [pytest.approx(0.0), pytest.approx(0.5)] and 0.1 < both["p_gain_at_most_0"] < 0.4
+
+
+def test_trainee_gain_extra_problems_are_never_drawn_held_out_tasks():
+    from types import SimpleNamespace
+
+    from benchmarks import trainee_gain
+    from evertrain.config import load_config
+    from evertrain.envs import registry
+    from evertrain.tasks.evaluate import eval_problems, sealed_problems
+
+    config = load_config("configs/terminal.toml")
+    env = registry.get("terminal", held_out="generated")
+    rt = SimpleNamespace(config=config, env=lambda name: env)
+    extra = trainee_gain.extra_problems(rt, 6)
+    gate, sealed = eval_problems(rt), sealed_problems(rt)
+    assert len(extra) == 6 and {p.split for p in extra} == {"test"}
+    assert len({p.id for p in gate + sealed + extra}) == len(gate) + len(sealed) + 6  # all new tasks
+    assert trainee_gain.extra_problems(rt, 0) == []
