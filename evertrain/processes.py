@@ -40,22 +40,39 @@ def alive(process: Process | None) -> bool:
     return True
 
 
+def _signal(pid: int, signum: int, group: bool) -> None:
+    """``signum`` to the process group ``pid`` leads, or to ``pid`` alone when it leads none."""
+    with contextlib.suppress(OSError):
+        if group:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
 def stop(processes: Iterable[Process], first: int = signal.SIGTERM, timeout: float = 30.0) -> list[int]:
     """Stop each of ``processes`` (session leaders: ``Popen(..., start_new_session=True)`` or their pids) with
     its whole process group: ``first`` to every group at once (SIGTERM, or SIGINT for a Prefect runner, which
     then cancels its flow runs as on Ctrl-C), up to ``timeout`` seconds for the leaders to exit, then SIGKILL to
-    every group that still has a member. Returns the pids of the leaders that had to be killed."""
+    every group that still has a member. A process that leads no group of its own (started without a session)
+    is signalled alone: its group is its parent's. Returns the pids of the leaders that had to be killed."""
     leaders = [p for p in processes if alive(p)]
-    for process in leaders:
-        with contextlib.suppress(OSError):
-            os.killpg(_pid(process), first)
+    groups = {_pid(p): _leads_group(_pid(p)) for p in leaders}
+    for pid, group in groups.items():
+        _signal(pid, first, group)
     deadline = time.monotonic() + timeout
     while any(alive(p) for p in leaders) and time.monotonic() < deadline:
         time.sleep(0.2)
     killed = [_pid(p) for p in leaders if alive(p)]
-    for process in leaders:  # also the leaders that exited: their children may not have
-        with contextlib.suppress(OSError):
-            os.killpg(_pid(process), signal.SIGKILL)
+    for pid, group in groups.items():  # also the leaders that exited: their children may not have
+        if group or pid in killed:
+            _signal(pid, signal.SIGKILL, group)
     for process in leaders:
         if not isinstance(process, int):
             with contextlib.suppress(subprocess.TimeoutExpired):
