@@ -39,7 +39,10 @@ instead fixes every system's CPU budget before the runs (evertrain runs whole it
 ``--config`` gives evertrain another campaign config (its arithmetic environment), e.g. the long campaign's:
 
     .venv/bin/python benchmarks/vs_trl.py --budget 64 --config configs/long.toml --seeds 0,1,2 \
-        --results-name vs_trl_long    # 4x the demo's CPU, three systems, three seeds; --resume continues it
+        --set eval.every=2 --results-name vs_trl_long  # 4x the demo's CPU, three systems, three seeds
+
+(``--resume`` continues it; ``--set eval.every=2`` is what its first runs were made with, before a ``--budget`` run
+kept its config's gate cadence, every 3rd update for the long campaign's: without it the runs are not comparable.)
 
     .venv/bin/python benchmarks/vs_trl.py                       # seeds 0,1,2, short schedule; about 35 min here
     .venv/bin/python benchmarks/vs_trl.py --schedule demo --results-name vs_trl_demo_schedule  # 6 iterations
@@ -748,6 +751,17 @@ SAME_SETTINGS = ("iterations", "eval_problems", "eval_dtype", "learning_rate_bot
                  "group_size", "max_new_tokens", "temperature", "cpu_minutes", "evertrain_config")
 
 
+def schedule_sets(schedule: str, budget: float | None, sets: list[str]) -> list[str]:
+    """The ``--set`` items evertrain runs with. The short schedule is the demo's first gated cycle: two
+    iterations (both warm-started), one gate at the end (``eval.every=2``). A ``--budget`` run keeps its
+    config's own gate cadence (``configs/long.toml``: every 3rd update): forcing ``eval.every=2`` there gated
+    half as often again as the campaign it measures (stop 34). An explicit ``--set eval.every=N`` wins."""
+    if schedule != "short" or budget is not None or any(item.split("=", 1)[0].strip() == "eval.every"
+                                                         for item in sets):
+        return list(sets)
+    return ["eval.every=2", *sets]
+
+
 def settings_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The settings that make two results files' runs incomparable (empty: they may be pooled or resumed)."""
     differ = [k for k in SAME_SETTINGS if old.get(k) != new.get(k)]
@@ -889,10 +903,7 @@ def main() -> None:
         save(args.results_name, payload)
         log(f"saved benchmarks/results/{args.results_name}.json ({len(payload['runs'])} runs pooled)")
         return
-    # the short schedule is the demo's first gated cycle: two iterations (both warm-started), one gate at the end
-    if args.schedule == "short" and not args.worker and \
-            not any(item.split("=", 1)[0].strip() == "eval.every" for item in args.set or []):
-        args.set = ["eval.every=2", *(args.set or [])]
+    args.set = schedule_sets(args.schedule, args.budget, args.set or []) if not args.worker else args.set
     if args.budget is not None:
         if args.budget <= 0 or (args.iterations or args.cpu_minutes is not None):
             parser.error("--budget takes a positive number of CPU-minutes and replaces --iterations and "

@@ -101,3 +101,13 @@ def test_trainee_gain_extra_problems_are_never_drawn_held_out_tasks():
     assert len(extra) == 6 and {p.split for p in extra} == {"test"}
     assert len({p.id for p in gate + sealed + extra}) == len(gate) + len(sealed) + 6  # all new tasks
     assert trainee_gain.extra_problems(rt, 0) == []
+
+
+def test_a_budget_run_keeps_its_configs_gate_cadence():
+    # the short schedule's two iterations are gated once, at the end; a --budget run gates as its config says
+    assert vs_trl.schedule_sets("short", None, []) == ["eval.every=2"]
+    assert vs_trl.schedule_sets("short", 64.0, []) == []
+    assert vs_trl.schedule_sets("short", 64.0, ["eval.every=2"]) == ["eval.every=2"]  # the earlier runs' setting
+    assert vs_trl.schedule_sets("short", None, ["eval.every=4", "update.epochs=1"]) == ["eval.every=4",
+                                                                                      "update.epochs=1"]
+    assert vs_trl.schedule_sets("demo", None, ["update.epochs=1"]) == ["update.epochs=1"]
