@@ -903,7 +903,8 @@ def main() -> None:
         save(args.results_name, payload)
         log(f"saved benchmarks/results/{args.results_name}.json ({len(payload['runs'])} runs pooled)")
         return
-    args.set = schedule_sets(args.schedule, args.budget, args.set or []) if not args.worker else args.set
+    if not args.worker:  # a worker gets its --set items from the parent, already complete
+        args.set = schedule_sets(args.schedule, args.budget, args.set or [])
     if args.budget is not None:
         if args.budget <= 0 or (args.iterations or args.cpu_minutes is not None):
             parser.error("--budget takes a positive number of CPU-minutes and replaces --iterations and "

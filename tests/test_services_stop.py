@@ -55,7 +55,7 @@ def test_stop_leaves_no_child_of_a_server_behind(tmp_path: Path) -> None:
     assert processes.stop([leader]) == []  # stopping what has stopped is a no-op
 
 
-def test_stop_stops_a_process_that_leads_no_group(tmp_path: Path) -> None:
+def test_stop_stops_a_process_that_leads_no_group() -> None:
     # started without a session of its own: its process group is this test's, which must not be signalled, and
     # the process itself must still be stopped (before, killpg found no group of its pid and stop did nothing)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
