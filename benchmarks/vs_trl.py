@@ -629,15 +629,23 @@ def plot(path: Path, runs: list[dict[str, Any]], base: dict[str, Any], eval_prob
               "trl_warm": ("tab:green", "^", "TRL SFTTrainer warm start, then GRPOTrainer")}
     for system, (color, marker, label) in styles.items():
         mine = [r for r in runs if r["system"] == system]
-        for i, run in enumerate(mine):
-            points = run.get("curve") or [{"cpu_min": 0.0, "pass1": base["pass1"]},
-                                          {"cpu_min": run["cpu_min"], "pass1": run["pass1_after"]}]
-            ax.plot([q["cpu_min"] for q in points], [q["pass1"] for q in points], color=color, marker=marker,
-                    linewidth=1.2, markersize=4, alpha=0.8, label=label if i == 0 else None)
+        labelled: set[str] = set()  # one legend entry for a system's curves, one for its end points
+        for run in mine:
+            if run.get("curve"):  # every checkpoint evaluated: a line
+                points = run["curve"]
+                ax.plot([q["cpu_min"] for q in points], [q["pass1"] for q in points], color=color, marker=marker,
+                        linewidth=1.2, markersize=4, alpha=0.8, label=None if "curve" in labelled else label)
+                labelled.add("curve")
+            else:  # only what the run delivered was evaluated: its end point, not a line nobody measured
+                ax.plot([run["cpu_min"]], [run["pass1_after"]], color=color, marker=marker, linestyle="none",
+                        markersize=7, markerfacecolor="none",
+                        label=None if "end" in labelled else f"{label}, end only")
+                labelled.add("end")
     ax.axhline(base["pass1"], color="gray", linestyle=":", linewidth=1, label="base model")
     ax.set_xlabel("CPU-minutes, all in (evertrain: curation, sampling, grading, sft, update, gate)")
     ax.set_ylabel(f"sealed test pass@1 (greedy, {eval_problems} problems)")
-    ax.set_title("SmolLM2-135M-Instruct on arithmetic: evertrain vs TRL, one line per seed")
+    ax.set_title("SmolLM2-135M-Instruct on arithmetic: evertrain vs TRL\n"
+                 "lines: every checkpoint of a seed run with --curve; hollow: a run's end only")
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
