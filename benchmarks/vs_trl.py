@@ -624,28 +624,28 @@ def plot(path: Path, runs: list[dict[str, Any]], base: dict[str, Any], eval_prob
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    styles = {"evertrain": ("tab:blue", "o", "evertrain (champion)"), "trl": ("tab:orange", "s", "TRL GRPOTrainer"),
-              "trl_warm": ("tab:green", "^", "TRL SFTTrainer warm start, then GRPOTrainer")}
-    for system, (color, marker, label) in styles.items():
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    # a line: every checkpoint of a seed run with --curve (evertrain's: each iteration's trainee, gated or not);
+    # a hollow marker: what each seed's run delivered (evertrain's champion, TRL's final adapter)
+    styles = {"evertrain": ("tab:blue", "o", "evertrain, each iteration's trainee", "evertrain's champion"),
+              "trl": ("tab:orange", "s", "TRL GRPOTrainer", "TRL GRPOTrainer, final"),
+              "trl_warm": ("tab:green", "^", "TRL SFTTrainer warm start, then GRPOTrainer", "TRL warm, final")}
+    for system, (color, marker, curve_label, end_label) in styles.items():
         mine = [r for r in runs if r["system"] == system]
-        labelled: set[str] = set()  # one legend entry for a system's curves, one for its end points
-        for run in mine:
-            if run.get("curve"):  # every checkpoint evaluated: a line
-                points = run["curve"]
-                ax.plot([q["cpu_min"] for q in points], [q["pass1"] for q in points], color=color, marker=marker,
-                        linewidth=1.2, markersize=4, alpha=0.8, label=None if "curve" in labelled else label)
-                labelled.add("curve")
-            else:  # only what the run delivered was evaluated: its end point, not a line nobody measured
-                ax.plot([run["cpu_min"]], [run["pass1_after"]], color=color, marker=marker, linestyle="none",
-                        markersize=7, markerfacecolor="none",
-                        label=None if "end" in labelled else f"{label}, end only")
-                labelled.add("end")
+        curves = [r for r in mine if r.get("curve")]
+        for i, run in enumerate(curves):
+            points = run["curve"]
+            ax.plot([q["cpu_min"] for q in points], [q["pass1"] for q in points], color=color, marker=marker,
+                    linewidth=1.2, markersize=4, alpha=0.8, label=curve_label if i == 0 else None)
+        if mine:
+            ax.plot([r["cpu_min"] for r in mine], [r["pass1_after"] for r in mine], color=color, marker=marker,
+                    linestyle="none", markersize=9, markerfacecolor="none", markeredgewidth=1.5,
+                    label=f"{end_label} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
     ax.axhline(base["pass1"], color="gray", linestyle=":", linewidth=1, label="base model")
     ax.set_xlabel("CPU-minutes, all in (evertrain: curation, sampling, grading, sft, update, gate)")
     ax.set_ylabel(f"sealed test pass@1 (greedy, {eval_problems} problems)")
     ax.set_title("SmolLM2-135M-Instruct on arithmetic: evertrain vs TRL\n"
-                 "lines: every checkpoint of a seed run with --curve; hollow: a run's end only")
+                 "lines: every checkpoint (runs with --curve); hollow: what each run delivered")
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
