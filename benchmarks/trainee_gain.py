@@ -19,6 +19,13 @@ campaign has stopped::
 
     python benchmarks/trainee_gain.py --config configs/terminal.toml --extra 78 --results-name terminal
 
+``--baseline V`` measures against version V instead of the base model, e.g. whether the gate saw what fresh
+problems see when it refused a trainee against its champion. ``--config`` also takes a JSON config, such as
+the ``config`` of a ``benchmarks/vs_trl.py`` worker's result (``<scratch>/seed-N/evertrain.json``)::
+
+    python benchmarks/trainee_gain.py --config vs_s0_config.json --baseline 3 --trainee 10 --extra 420 \
+        --results-name gate_vs_fresh_v10
+
 Writes benchmarks/results/<name>.json with every problem's two rewards, so intervals can be recomputed.
 """
 
@@ -77,6 +84,8 @@ def main() -> None:
     parser.add_argument("--extra", type=int, default=0, metavar="N",
                         help="also N never-drawn problems after each environment's sealed test split")
     parser.add_argument("--trainee", type=int, default=None, help="the version to measure (default: the trainee)")
+    parser.add_argument("--baseline", type=int, default=1,
+                        help="the version it is measured against (default 1, the base model), e.g. a champion")
     parser.add_argument("--results-name", required=True, help="write benchmarks/results/<name>.json")
     args = parser.parse_args()
     if args.extra < 0:
@@ -92,11 +101,13 @@ def main() -> None:
         trainee = args.trainee if args.trainee is not None else state.get("trainee_version")
         if trainee is None:
             raise SystemExit(f"campaign {rt.campaign!r} has no trainee recorded")
-        trainee = int(trainee)
+        trainee, baseline = int(trainee), args.baseline
+        if trainee == baseline:
+            raise SystemExit(f"--trainee and --baseline are both version {trainee}")
         sets = {"gate": eval_problems(rt), "sealed_test": [p for p in sealed_problems(rt) if p.split == "test"],
                 "extra": extra_problems(rt, args.extra)}
         frames, generated = [], {}
-        for version in (1, trainee):
+        for version in (baseline, trainee):
             for name, problems in sets.items():
                 if not problems:
                     continue
@@ -110,21 +121,23 @@ def main() -> None:
         iterations = rt.store.scalar("SELECT count(DISTINCT iteration) FROM stage_runs WHERE campaign = ? AND "
                                      "stage = 'promote' AND status = 'completed'", [rt.campaign])
     answers = pd.concat(frames)
-    results = {name: paired(answers[answers["set"] == name], 1, trainee)
+    results = {name: paired(answers[answers["set"] == name], baseline, trainee)
                for name in sets if sets[name]}
-    results["held_out"] = paired(answers, 1, trainee)
-    print_table([{"tasks": name, "problems": r["problems"], "base": f"{r['base_pass1']:.3f}",
+    results["held_out"] = paired(answers, baseline, trainee)
+    print(f"v{trainee} against v{baseline}" + (" (the base model)" if baseline == 1 else ""))
+    print_table([{"tasks": name, "problems": r["problems"], "baseline": f"{r['base_pass1']:.3f}",
                   "trainee": f"{r['trainee_pass1']:.3f}",
                   "gain [95% CI]": f"{r['gain']:+.3f} [{r['ci95'][0]:+.3f}, {r['ci95'][1]:+.3f}]",
                   "P(gain <= 0)": f"{r['p_gain_at_most_0']:.3f}"} for name, r in results.items()],
-                ["tasks", "problems", "base", "trainee", "gain [95% CI]", "P(gain <= 0)"])
+                ["tasks", "problems", "baseline", "trainee", "gain [95% CI]", "P(gain <= 0)"])
     rewards = answers.pivot_table(index=["set", "problem_id"], columns="model_version", values="reward")
     save(args.results_name, {
-        "campaign": config.name, "trainee_version": trainee, "iterations_completed": iterations,
+        "campaign": config.name, "trainee_version": trainee, "baseline_version": baseline,
+        "iterations_completed": iterations,
         "campaign_cpu_minutes": cpu, "extra": args.extra, "answers_generated": generated,
         "bootstrap": {"samples": BOOTSTRAP_SAMPLES, "seed": BOOTSTRAP_SEED, "stratified_by": "set"},
         **results,
-        "per_problem": [{"set": s, "problem_id": pid, "base": float(row[1]), "trainee": float(row[trainee])}
+        "per_problem": [{"set": s, "problem_id": pid, "base": float(row[baseline]), "trainee": float(row[trainee])}
                         for (s, pid), row in rewards.dropna().iterrows()],
     })
 

@@ -808,6 +808,62 @@ def pool(names: list[str]) -> dict[str, Any]:
     return payload
 
 
+def reevaluate(names: list[str], n: int, dtype: str) -> dict[str, Any]:
+    """The runs of these results files, their delivered checkpoints evaluated again on ``n`` problems of each
+    sealed split (a larger, tighter test than the runs were first measured on), the bar recomputed.
+
+    Every run's scratch directory (``scratch`` in its file) must still hold its worker's result and
+    checkpoints; a run whose checkpoints are gone is listed in ``failures``, not dropped silently.
+    """
+    from benchmarks.common import RESULTS
+
+    files = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
+    first = files[0]
+    for name, data in zip(names, files, strict=True):
+        differ = [k for k in settings_differ(first["settings"], data["settings"]) if k != "eval_problems"]
+        if differ:
+            raise SystemExit(f"--reevaluate: {name} was made with other settings than {names[0]} ({', '.join(differ)})")
+    settings = {**first["settings"], "eval_problems": n, "eval_dtype": dtype}
+    args = argparse.Namespace(config=settings["evertrain_config"], set=settings["evertrain"]["settings_changed"],
+                              seed=0, learning_rate=settings["learning_rate_both"], curve=False,
+                              model=settings["model"])
+    config = campaign_config(args, Path(first["scratch"]))  # --model tiny: the model the runs were made with
+    evaluate = Evaluator(config, n, dtype, split="test")
+    transfer = Evaluator(config, n, dtype, split="transfer")
+    base_checkpoint = str(Path(first["scratch"]) / "base")
+    if not Path(base_checkpoint).exists():
+        raise SystemExit(f"--reevaluate: {names[0]}'s base checkpoint {base_checkpoint} is gone")
+    base, base_transfer = evaluate(base_checkpoint), transfer(base_checkpoint)
+    runs: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    for name, data in zip(names, files, strict=True):
+        for old in data["runs"]:
+            system, seed = old["system"], old["seed"]
+            worker = Path(data["scratch"]) / f"seed-{seed}" / f"{system}.json"
+            try:
+                if not worker.exists():
+                    raise FileNotFoundError(f"its worker's result {worker} is gone")
+                result = json.loads(worker.read_text())
+                checkpoint = result.get("champion_checkpoint" if system == "evertrain" else "final_checkpoint")
+                if not checkpoint or not Path(checkpoint).exists():
+                    raise FileNotFoundError(f"its delivered checkpoint {checkpoint} is gone")
+                run = evaluate_seed(system, seed, result, evaluate, transfer, base, base_transfer, False)
+            except (FileNotFoundError, RuntimeError) as error:
+                failures.append({"system": system, "seed": seed, "from": name, "error": str(error)})
+                log(f"--reevaluate: {system} seed {seed} of {name} not re-evaluated: {error}")
+                continue
+            run.update({"cpu": old.get("cpu"), "from": name,
+                        f"gain_on_{first['settings']['eval_problems']}": old["gain"]})
+            runs.append(run)
+    payload = {"reevaluated_from": {name: {"command": d["command"], "date": d["date"], "machine": d["machine"]}
+                                    for name, d in zip(names, files, strict=True)},
+               "settings": settings, "runs": runs, "failures": failures,
+               "base": {k: base[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")},
+               "base_transfer": {k: base_transfer[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")}}
+    payload["summary"] = aggregate(runs, base, base_transfer)
+    return payload
+
+
 def print_summary(payload: dict[str, Any]) -> None:
     """The per-seed table, the means and the bar, as the benchmark prints them."""
     from benchmarks.common import print_table
@@ -894,6 +950,10 @@ def main() -> None:
                         help="run nothing: pool the runs of these results files (benchmarks/results/<name>.json, "
                         "made with the same settings on other seeds, e.g. a replication) into --results-name, the "
                         "means and the bar recomputed over every seed")
+    parser.add_argument("--reevaluate", metavar="NAME,NAME,...",
+                        help="train nothing: evaluate the delivered checkpoints of these results files' runs (their "
+                        "scratch directories must still exist) again on --eval-problems problems of each sealed "
+                        "split, into --results-name")
     parser.add_argument("--scratch", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--base-model", help=argparse.SUPPRESS)
@@ -910,6 +970,22 @@ def main() -> None:
         payload["plot"] = str(png.relative_to(ROOT))
         save(args.results_name, payload)
         log(f"saved benchmarks/results/{args.results_name}.json ({len(payload['runs'])} runs pooled)")
+        return
+    if args.reevaluate:
+        from benchmarks.common import RESULTS, save
+
+        if args.results_name in args.reevaluate.split(","):
+            parser.error("--reevaluate: --results-name must name a new file, not one of the re-evaluated ones")
+        if not args.eval_problems:
+            parser.error("--reevaluate needs --eval-problems (e.g. 420: the test split and the held-out problems "
+                         "between it and the gate's)")
+        payload = reevaluate(args.reevaluate.split(","), args.eval_problems, args.eval_dtype)
+        print_summary(payload)
+        png = RESULTS / f"{args.results_name}.png"
+        plot(png, payload["runs"], payload["base"], args.eval_problems)
+        payload["plot"] = str(png.relative_to(ROOT))
+        save(args.results_name, payload)
+        log(f"saved benchmarks/results/{args.results_name}.json ({len(payload['runs'])} runs re-evaluated)")
         return
     if not args.worker:  # a worker gets its --set items from the parent, already complete
         args.set = schedule_sets(args.schedule, args.budget, args.set or [])

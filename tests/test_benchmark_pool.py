@@ -56,3 +56,35 @@ def test_runs_made_otherwise_are_not_pooled(tmp_path, monkeypatch):
            evertrain={"settings_changed": ["eval.every=3"]})
     with pytest.raises(SystemExit, match="--set"):
         vs_trl.pool(["a", "tweaked"])
+
+
+def test_reevaluate_measures_the_delivered_checkpoints_on_more_problems(tmp_path, monkeypatch):
+    """--reevaluate answers every run's delivered checkpoint again on n problems; a run whose checkpoint is gone
+    is listed as a failure, not dropped."""
+    from evertrain.config import load_config
+    from evertrain.models.policy import resolve_base, write_base_checkpoint
+
+    results, scratch = tmp_path / "results", tmp_path / "scratch"
+    results.mkdir()
+    monkeypatch.setattr(benchmarks.common, "RESULTS", results)
+    config = load_config("configs/long.toml", ["model.path=embedded:tiny", f"model.models_dir={scratch / 'models'}"])
+    base = str(write_base_checkpoint(scratch / "base", resolve_base(config.model)))
+    for seed, checkpoint in ((0, base), (1, str(scratch / "deleted"))):
+        (scratch / f"seed-{seed}").mkdir(parents=True)
+        worker = {"status": "ok", "checkpoints": [{"path": checkpoint}], "final_checkpoint": checkpoint,
+                  "train_cpu_s": 60.0, "update_steps": 1, "completions": 8}
+        (scratch / f"seed-{seed}" / "trl.json").write_text(json.dumps(worker))
+    settings = {**SETTINGS, "model": "tiny", "evertrain_config": "configs/long.toml"}
+    data = {"command": "python benchmarks/vs_trl.py", "date": "2026-12-01", "machine": {"cpu": "test"},
+            "settings": settings, "scratch": str(scratch), "failures": [], "base": BASE,
+            "base_transfer": {**BASE, "passed": "0000"},
+            "runs": [_run("trl", 0, "1100", 1.0), _run("trl", 1, "1110", 1.0)]}
+    (results / "first.json").write_text(json.dumps(data))
+
+    again = vs_trl.reevaluate(["first"], 6, "float32")
+    assert again["settings"]["eval_problems"] == 6 and len(again["base"]["passed"]) == 6
+    [run] = again["runs"]  # seed 0: its checkpoint is the base model, so it gains exactly nothing
+    assert (run["seed"], len(run["passed"]), run["gain"]) == (0, 6, 0.0)
+    assert run["passed"] == again["base"]["passed"] and run["gain_on_4"] == pytest.approx(0.25)
+    [failure] = again["failures"]
+    assert failure["seed"] == 1 and "deleted" in failure["error"] and "is gone" in failure["error"]
