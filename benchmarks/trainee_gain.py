@@ -6,6 +6,7 @@ whether or not the gate passed it, with the campaign's own evaluation code (task
 
 - ``gate``: the gate's held-out set (curation keeps it out of training);
 - ``sealed_test``: the sealed test split (never curated, never gated);
+- ``broad``: the campaign's broad sealed set (``curriculum.broad_per_level``: every level, drawn once), if any;
 - ``extra``: with ``--extra N``, the next ``N`` problems of the sealed test split's pool: problems nothing in
   the campaign ever drew, for more power where an environment generates held-out problems without end (the
   terminal's ``held_out = "generated"``). Refused where a larger draw would not keep the sealed split as its
@@ -92,6 +93,7 @@ def main() -> None:
         parser.error("--extra must be 0 or more")
     from benchmarks.common import print_table, save
     from evertrain.config import load_config
+    from evertrain.curriculum import broad_problems
     from evertrain.runtime import Runtime
     from evertrain.tasks.evaluate import eval_problems, evaluate_version, sealed_problems
 
@@ -105,7 +107,7 @@ def main() -> None:
         if trainee == baseline:
             raise SystemExit(f"--trainee and --baseline are both version {trainee}")
         sets = {"gate": eval_problems(rt), "sealed_test": [p for p in sealed_problems(rt) if p.split == "test"],
-                "extra": extra_problems(rt, args.extra)}
+                "extra": extra_problems(rt, args.extra), "broad": broad_problems(rt)}
         frames, generated = [], {}
         for version in (baseline, trainee):
             for name, problems in sets.items():

@@ -139,8 +139,10 @@ def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
 
 
 def _sealed(rt: Runtime, iteration: int, champion: int) -> dict[str, Any]:
-    """Measure the base model (once) and the new champion on the sealed splits, after the decision."""
-    if not rt.config.eval.sealed_problems and not any(s.sealed_problems for s in rt.config.environments):
+    """Measure the base model (once) and the new champion on the sealed splits and the broad sealed set, after
+    the decision (a broad set is measured even where the sealed splits are off)."""
+    if not rt.config.eval.sealed_problems and not any(s.sealed_problems for s in rt.config.environments) \
+            and not rt.config.curriculum.broad_per_level:
         return {}
     return evaluate_sealed(rt, iteration, [rt.base_version(), champion])
 

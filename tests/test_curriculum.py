@@ -178,10 +178,12 @@ def test_broad_sealed_set_never_enters_curation_or_the_gate(tmp_path, models_dir
     assert _level(rt, 3)[0] == 3 and not trained & ids
     # drawn once: a later curate does not redraw it
     assert broad_ids(rt) == ids
-    # measured beside the sealed splits, as split 'broad', never as the gate's
-    from evertrain.tasks.evaluate import evaluate_sealed
+    # measured by promote beside the sealed splits, as split 'broad', never as the gate's: also where the sealed
+    # splits are off, as in this config (promote once measured nothing then, and the broad set went unmeasured)
+    from evertrain.tasks.promote import _sealed
 
-    evaluate_sealed(rt, 3, [rt.trainee_version()])
+    assert not config.eval.sealed_problems and not any(s.sealed_problems for s in config.environments)
+    assert _sealed(rt, 3, rt.champion_version())["sealed_problems"] == len(ids - {p.id for p in sealed_problems(rt)})
     evals = rt.store.query("SELECT split, problem_id FROM evals WHERE campaign = ? AND sample = 0", [rt.campaign])
     broad_rows = set(evals[evals["split"] == "broad"]["problem_id"])
     sealed = {p.id for p in sealed_problems(rt)}
