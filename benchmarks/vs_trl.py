@@ -860,6 +860,9 @@ def reevaluate(names: list[str], n: int, dtype: str) -> dict[str, Any]:
                "settings": settings, "runs": runs, "failures": failures,
                "base": {k: base[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")},
                "base_transfer": {k: base_transfer[k] for k in ("pass1", "ci", "eval_cpu_s", "passed")}}
+    # what was measured: a pool smaller than asked gives fewer problems, and only the runs re-evaluated count
+    settings.update(eval_problems=len(evaluate.problems), transfer_problems=len(transfer.problems),
+                    seeds=sorted({r["seed"] for r in runs}))
     payload["summary"] = aggregate(runs, base, base_transfer)
     return payload
 
