@@ -485,6 +485,19 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _interrupted(error: BaseException) -> bool:
+    """Whether ``error`` is an interruption in disguise: DuckDB turns a KeyboardInterrupt raised during a query (by
+    Ctrl-C, or by :func:`_interrupt` on SIGTERM) into ``RuntimeError('Query interrupted')`` caused by it."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def cmd_rollback(args: argparse.Namespace) -> int:
     config = _config(args)
     from evertrain.runtime import Runtime
@@ -786,13 +799,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except Exception as error:
+        if _interrupted(error):
+            return _report_interrupt()
         if not isinstance(error, _input_errors()):
             raise
         print(f"evertrain: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("evertrain: interrupted; `evertrain run` resumes at the interrupted stage", file=sys.stderr)
-        return 130
+        return _report_interrupt()
+
+
+def _report_interrupt() -> int:
+    print("evertrain: interrupted; `evertrain run` resumes at the interrupted stage", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

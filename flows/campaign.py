@@ -57,11 +57,15 @@ def iteration_flow(rt: Runtime, iteration: int) -> dict[str, Any]:
         if done.get(stage) == "completed":
             continue
         if stage == "update" and config.update.mode == "async":
+            # the next iteration samples from the trainee as it is now, before this update: read here, not when its
+            # rollout starts (a quick update could finish first, and the lag would depend on which thread won)
+            before = rt.trainee_version()
             future = STAGE_TASKS["update"].submit(rt, iteration)
             ahead = rt.store.stage_status(rt.campaign, iteration + 1)
             for early in ("curate", "rollout", "score"):  # the next iteration's sampling overlaps this update
                 if ahead.get(early) != "completed":
-                    metrics[f"next_{early}"] = STAGE_TASKS[early](rt, iteration + 1)
+                    extra = {"version": before} if early == "rollout" else {}
+                    metrics[f"next_{early}"] = STAGE_TASKS[early](rt, iteration + 1, **extra)
             metrics[stage] = future.result()
             continue
         metrics[stage] = STAGE_TASKS[stage](rt, iteration)

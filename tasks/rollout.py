@@ -77,13 +77,15 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
     return rows_out, audit, stats, fanout
 
 
-def rollout(rt: Runtime, iteration: int) -> dict[str, Any]:
+def rollout(rt: Runtime, iteration: int, version: int | None = None) -> dict[str, Any]:
+    """Sample the iteration's groups from the trainee, or from policy ``version`` where one is given (async mode's
+    prefetch pins the trainee as it was before the update it overlaps: one version old, whichever finishes first)."""
     config = rt.config
     # the curated problems (those dynamic sampling drew in the score stage are the score stage's own)
     problems = rt.store.curated_problems(rt.campaign, iteration)
     if problems.empty:
         raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
-    version = rollout_version(rt, iteration, default=rt.trainee_version)
+    version = rollout_version(rt, iteration, default=rt.trainee_version if version is None else lambda: version)
     checkpoint = rt.checkpoint(version)
     policy = driver_policy(config, checkpoint, rt.engines)  # on a cluster the workers hold the model
     began = time.perf_counter()
@@ -113,5 +115,5 @@ def rollout_version(rt: Runtime, iteration: int, default: Callable[[], int]) -> 
 
 
 @task(name="rollout", cache_policy=NO_CACHE)
-def rollout_task(rt: Runtime, iteration: int) -> dict[str, Any]:
-    return run_stage(rt, "rollout", iteration, rollout)
+def rollout_task(rt: Runtime, iteration: int, version: int | None = None) -> dict[str, Any]:
+    return run_stage(rt, "rollout", iteration, lambda rt, iteration: rollout(rt, iteration, version))

@@ -48,3 +48,40 @@ def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_d
         for server in servers:
             with contextlib.suppress(psutil.Error):
                 server.kill()
+
+
+
+CHILD = """
+import signal, sys
+import duckdb
+from evertrain.cli import _interrupt, _interrupted
+signal.signal(signal.SIGTERM, _interrupt)
+con = duckdb.connect()
+print("querying", flush=True)
+try:
+    con.execute("SELECT count(*) FROM range(100000000000) t(i) WHERE i % 7 = 3").fetchall()
+except BaseException as error:
+    print(type(error).__name__, str(error), _interrupted(error), flush=True)
+else:
+    print("not interrupted", flush=True)
+"""
+
+
+def test_a_signal_during_a_duckdb_query_counts_as_an_interruption():
+    """DuckDB turns the KeyboardInterrupt that SIGTERM's handler raises mid-query into RuntimeError('Query
+    interrupted'): `evertrain run` must still stop with status 130, not 1 (the failure CI met once). In a process
+    of its own, so that no signal reaches the suite's."""
+    from evertrain.cli import _interrupted
+
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "querying"
+        time.sleep(1.0)  # inside the query
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    # the error is DuckDB's, not a KeyboardInterrupt; it counts as an interruption through its cause
+    assert out.split()[:3] == ["RuntimeError", "Query", "interrupted"] and out.split()[-1] == "True", out
+    assert not _interrupted(RuntimeError("Query interrupted"))  # only one caused by an interruption
