@@ -172,7 +172,17 @@ class GenerationConfig(_Strict):
     """How rollouts are sampled."""
 
     max_new_tokens: int = Field(48, ge=1, le=32768, description="Completion length limit, in tokens.")
-    temperature: float = Field(0.8, gt=0, le=5, description="Sampling temperature of rollouts.")
+    temperature: float = Field(
+        0.8, gt=0, le=5, description="Sampling temperature of rollouts (with target_entropy: the lowest it goes).")
+    target_entropy: float | None = Field(
+        None, gt=0, description="Keep the rollouts' token entropy (nats, measured from their sampling log-probs) "
+        "near this: an iteration samples at the temperature of the last sampled iteration, times temperature_step "
+        "where that iteration's entropy fell below the target, divided by it where it rose above twice the target, "
+        "within [temperature, max_temperature]. A policy that has sharpened onto one completion per problem then "
+        "still samples groups that disagree. None: always temperature.")
+    max_temperature: float = Field(1.5, gt=0, le=5, description="The highest temperature target_entropy may set.")
+    temperature_step: float = Field(
+        1.15, gt=1, le=3, description="The factor target_entropy moves the temperature by per iteration.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 keeps the whole distribution.")
     batch_size: int = Field(64, ge=1, description="Sequences decoded together in one batch.")
     backend: Literal["auto", "hf", "vllm"] = Field(
@@ -193,6 +203,14 @@ class GenerationConfig(_Strict):
     vllm_gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="Share of GPU memory vLLM may take (None: vLLM's default, 0.9); leave room "
         "for the update when both share one GPU.")
+
+
+    @model_validator(mode="after")
+    def _temperatures(self) -> GenerationConfig:
+        if self.target_entropy is not None and self.max_temperature < self.temperature:
+            raise ValueError(f"generation.max_temperature = {self.max_temperature} is below generation.temperature "
+                             f"= {self.temperature}: target_entropy moves the temperature between the two")
+        return self
 
 
 class LoraConfig(_Strict):

@@ -380,7 +380,8 @@ def diversity(store: Store, campaign: str, iteration: int | None = None) -> list
     """Per iteration (all, or ``iteration``), from the STORED scored rollouts: groups, mean distinct completions
     per group and their share of the group's samples, mean token entropy estimated from the sampling
     log-probs (-mean log-prob of the sampled policy tokens: an unbiased estimate of the per-token entropy of
-    the distribution sampled from), and the share of informative groups (rewards not all equal)."""
+    the distribution sampled from), the share of informative groups (rewards not all equal), and the sampling
+    temperature (the lowest of the iteration's; None in a store older than the column)."""
     frame = store.group_diversity(campaign, iteration)
     out = []
     for it, part in frame.groupby("iteration", sort=True):
@@ -389,7 +390,8 @@ def diversity(store: Store, campaign: str, iteration: int | None = None) -> list
                     "distinct_completions": float(part["distinct_completions"].mean()),
                     "distinct_share": float((part["distinct_completions"] / part["samples"]).mean()),
                     "token_entropy": float(part["neg_logprob"].sum()) / tokens if tokens else None,
-                    "informative_share": float(part["informative"].astype(float).mean())})
+                    "informative_share": float(part["informative"].astype(float).mean()),
+                    "temperature": None if part["temperature"].isna().all() else float(part["temperature"].min())})
     return out
 
 
@@ -406,7 +408,9 @@ def format_diversity(rows: list[dict[str, Any]]) -> list[str]:
     return [f"diversity i={r['iteration']}: {r['distinct_completions']:.2f} distinct completions per group "
             f"({r['distinct_share']:.2f} of its samples), token entropy "
             f"{'-' if r['token_entropy'] is None else format(r['token_entropy'], '.3f')} nats, informative groups "
-            f"{r['informative_share']:.2f} of {r['groups']}" for r in rows]
+            f"{r['informative_share']:.2f} of {r['groups']}"
+            + ("" if r.get("temperature") is None else f", sampled at temperature {r['temperature']:.2f}")
+            for r in rows]
 
 
 # --- gate power ---------------------------------------------------------------------------------------

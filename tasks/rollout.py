@@ -27,16 +27,20 @@ from evertrain.tasks.base import progress, run_stage
 
 def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: int, checkpoint: Path,
                   policy: tuple[Any, Any], refill_round: int = 0, label: str = "rollout",
+                  temperature: float | None = None,
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], SamplingStats, dict[str, Any]]:
     """Sample a group of G completions for every row of ``problems`` (columns problem_id, env, prompt, payload,
     messages) with model version ``version``, held in ``checkpoint`` (``policy``: :func:`driver_policy`'s
-    sampler and tokenizer for it).
+    sampler and tokenizer for it), at ``temperature`` (default: :func:`rollout_temperature`).
 
     Returns the ``rollouts`` rows (unscored; ``refill_round`` marks dynamic sampling's draws), the sandbox
     audit rows of tool episodes, the sampling statistics and the cluster fan-out's metrics. Every group is
     seeded by (campaign seed, iteration, problem), so its samples do not depend on its batch or worker.
     """
-    config = rt.config
+    if temperature is None:
+        temperature = rollout_temperature(rt, iteration)
+    config = rt.config.model_copy(update={"generation": rt.config.generation.model_copy(
+        update={"temperature": temperature})})
     model, tokenizer = policy
     problems = problems.sort_values(["env", "problem_id"]).reset_index(drop=True)
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
@@ -99,8 +103,46 @@ def rollout(rt: Runtime, iteration: int, version: int | None = None) -> dict[str
         "cached_prompt_tokens": stats.cached_prompt_tokens, "completion_tokens": stats.completion_tokens,
         "model_s": stats.forward_seconds, "tokens_per_s": stats.completion_tokens / max(seconds, 1e-9),
         "truncated_share": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
-        "tool_calls": sum(r["tool_calls"] for r in rows) / len(rows), **fanout,
+        "tool_calls": sum(r["tool_calls"] for r in rows) / len(rows), "temperature": rows[0]["temperature"],
+        **fanout,
     }
+
+
+def rollout_temperature(rt: Runtime, iteration: int) -> float:
+    """The temperature the iteration samples at: ``generation.temperature``, or with ``generation.target_entropy``
+    the one the entropy of the last sampled iteration asks for (:func:`next_temperature`).
+
+    Read from the stored rollouts only, so a rerun (and dynamic sampling's refill draws) samples at the temperature
+    the iteration's rollouts were first sampled at, and a resumed campaign goes on where it stopped.
+    """
+    gen = rt.config.generation
+    if gen.target_entropy is None:
+        return gen.temperature
+    history = rt.store.sampling_history(rt.campaign, iteration)
+    if history and int(history[0]["iteration"]) == iteration and _present(history[0]["temperature"]):
+        return float(history[0]["temperature"])  # the iteration was sampled already
+    last = next((h for h in history if int(h["iteration"]) < iteration), None)
+    if last is None or not _present(last["entropy"]):
+        return gen.temperature
+    before = float(last["temperature"]) if _present(last["temperature"]) else gen.temperature
+    return next_temperature(before, float(last["entropy"]), gen.target_entropy, low=gen.temperature,
+                            high=gen.max_temperature, step=gen.temperature_step)
+
+
+def next_temperature(temperature: float, entropy: float, target: float, *, low: float, high: float,
+                     step: float) -> float:
+    """One step of the entropy-targeted temperature: up by ``step`` where ``entropy`` fell below ``target``, down
+    where it rose above twice the target (a band, so that the noise of one iteration's estimate does not make the
+    temperature oscillate), else unchanged; always within [low, high]."""
+    if entropy < target:
+        temperature *= step
+    elif entropy > 2 * target:
+        temperature /= step
+    return round(min(max(temperature, low), high), 6)
+
+
+def _present(value: Any) -> bool:
+    return value is not None and value == value  # not NULL, not NaN
 
 
 def rollout_version(rt: Runtime, iteration: int, default: Callable[[], int]) -> int:

@@ -106,6 +106,18 @@ class Queries:
             """SELECT min(policy_version) FROM rollouts
                WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0""", [campaign, iteration]))
 
+    def sampling_history(self, campaign: str, iteration: int) -> list[dict[str, Any]]:
+        """Per iteration up to ``iteration``, latest first, of the (non-refill) rollouts: iteration, temperature
+        (what they were sampled at; None in a store older than the column) and entropy (the mean token entropy
+        estimated from their sampling log-probs, nats; None without policy tokens)."""
+        # logprobs are 0.0 on tool tokens (not the policy's), so their sum is the policy tokens' sum
+        return self.records(
+            """SELECT iteration, min(temperature) AS temperature,
+                      -sum(coalesce(list_sum(logprobs), 0)) / nullif(sum(coalesce(list_sum(loss_mask), 0)), 0)
+                          AS entropy
+               FROM rollouts WHERE campaign = ? AND iteration <= ? AND coalesce(refill_round, 0) = 0
+               GROUP BY iteration ORDER BY iteration DESC""", [campaign, iteration])
+
     def rollouts_to_score(self, campaign: str, iteration: int) -> pd.DataFrame:
         """The iteration's (non-refill) rollouts with their problem: problem_id, sample, env, completion,
         finish_reason, prompt, payload; ordered by problem_id, sample."""
@@ -170,14 +182,15 @@ class Queries:
 
     def group_diversity(self, campaign: str, iteration: int | None = None) -> pd.DataFrame:
         """One row per scored group (of ``iteration``, or all): iteration, samples, distinct_completions,
-        informative, neg_logprob (minus the summed sampling log-probs), tokens (policy tokens)."""
+        informative, neg_logprob (minus the summed sampling log-probs), tokens (policy tokens), temperature (the
+        lowest it was sampled at; None in a store older than the column)."""
         where, params = ("AND iteration = ?", [campaign, iteration]) if iteration is not None else ("", [campaign])
         # logprobs are 0.0 on tool tokens (not the policy's), so their sum is the policy tokens' sum
         return self.query(
             f"""SELECT iteration, count(*) AS samples, count(DISTINCT completion) AS distinct_completions,
                        max(reward) > min(reward) AS informative,
                        -sum(coalesce(list_sum(logprobs), 0)) AS neg_logprob,
-                       sum(coalesce(list_sum(loss_mask), 0)) AS tokens
+                       sum(coalesce(list_sum(loss_mask), 0)) AS tokens, min(temperature) AS temperature
                 FROM rollouts WHERE campaign = ? AND reward IS NOT NULL {where}
                 GROUP BY iteration, problem_id""", params)
 
