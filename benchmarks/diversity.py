@@ -4,7 +4,8 @@ Per run and iteration, read from its store (opened read-only): the training rewa
 completions per group, token entropy, the share of informative groups and the temperature sampled at
 (:func:`evertrain.report.diversity`); per run, the CPU-minutes of every stage and, where
 ``benchmarks/trainee_gain.py`` measured the run's last trainee (``--gains PREFIX``: the results file
-``PREFIX<name>.json``), its gain over the base model on the broad sealed set and the gate's problems.
+``PREFIX<name>.json``, where there is one), its gain over the base model on the broad sealed set and the
+gate's problems.
 
     python benchmarks/diversity.py --campaign agent \
         --run no_sft=ducklake:sqlite:/scratch/no_sft/data/evertrain.sqlite \
@@ -71,9 +72,10 @@ def main() -> None:
         gain = None
         if args.gains:
             path = RESULTS / f"{args.gains}{name}.json"
-            if not path.exists():
-                raise SystemExit(f"run {name!r}: no trainee_gain result at {path}")
-            gain = json.loads(path.read_text())
+            if path.exists():
+                gain = json.loads(path.read_text())
+            else:
+                print(f"(no trainee_gain result at {path})")
         later = rows[1:] or rows
         summary.append({
             "run": name, "cpu_minutes": cpu,
