@@ -204,7 +204,6 @@ class GenerationConfig(_Strict):
         None, gt=0, le=1, description="Share of GPU memory vLLM may take (None: vLLM's default, 0.9); leave room "
         "for the update when both share one GPU.")
 
-
     @model_validator(mode="after")
     def _temperatures(self) -> GenerationConfig:
         if self.target_entropy is not None and self.max_temperature < self.temperature:
