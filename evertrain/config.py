@@ -176,7 +176,7 @@ class GenerationConfig(_Strict):
         0.8, gt=0, le=5, description="Sampling temperature of rollouts (with target_entropy: the lowest it goes).")
     target_entropy: float | None = Field(
         None, gt=0, description="Keep the rollouts' token entropy (nats, measured from their sampling log-probs) "
-        "near this: an iteration samples at the temperature of the last sampled iteration, times temperature_step "
+        "near this: an iteration samples at the temperature of the iteration before it, times temperature_step "
         "where that iteration's entropy fell below the target, divided by it where it rose above twice the target, "
         "within [temperature, max_temperature]. A policy that has sharpened onto one completion per problem then "
         "still samples groups that disagree. None: always temperature.")

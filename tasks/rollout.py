@@ -110,7 +110,8 @@ def rollout(rt: Runtime, iteration: int, version: int | None = None) -> dict[str
 
 def rollout_temperature(rt: Runtime, iteration: int) -> float:
     """The temperature the iteration samples at: ``generation.temperature``, or with ``generation.target_entropy``
-    the one the entropy of the last sampled iteration asks for (:func:`next_temperature`).
+    the one the entropy of the iteration before it asks for (:func:`next_temperature`; without its rollouts, the
+    configured temperature).
 
     Read from the stored rollouts only, so a rerun (and dynamic sampling's refill draws) samples at the temperature
     the iteration's rollouts were first sampled at, and a resumed campaign goes on where it stopped.
@@ -121,7 +122,7 @@ def rollout_temperature(rt: Runtime, iteration: int) -> float:
     history = rt.store.sampling_history(rt.campaign, iteration)
     if history and int(history[0]["iteration"]) == iteration and _present(history[0]["temperature"]):
         return float(history[0]["temperature"])  # the iteration was sampled already
-    last = next((h for h in history if int(h["iteration"]) < iteration), None)
+    last = next((h for h in history if int(h["iteration"]) == iteration - 1), None)
     if last is None or not _present(last["entropy"]):
         return gen.temperature
     before = float(last["temperature"]) if _present(last["temperature"]) else gen.temperature

@@ -107,16 +107,17 @@ class Queries:
                WHERE campaign = ? AND iteration = ? AND coalesce(refill_round, 0) = 0""", [campaign, iteration]))
 
     def sampling_history(self, campaign: str, iteration: int) -> list[dict[str, Any]]:
-        """Per iteration up to ``iteration``, latest first, of the (non-refill) rollouts: iteration, temperature
+        """Of the (non-refill) rollouts of ``iteration`` and the one before it, latest first: iteration, temperature
         (what they were sampled at; None in a store older than the column) and entropy (the mean token entropy
-        estimated from their sampling log-probs, nats; None without policy tokens)."""
+        estimated from their sampling log-probs, nats; None without policy tokens). Two iterations only: read at
+        every rollout, it must not grow with the campaign."""
         # logprobs are 0.0 on tool tokens (not the policy's), so their sum is the policy tokens' sum
         return self.records(
             """SELECT iteration, min(temperature) AS temperature,
                       -sum(coalesce(list_sum(logprobs), 0)) / nullif(sum(coalesce(list_sum(loss_mask), 0)), 0)
                           AS entropy
-               FROM rollouts WHERE campaign = ? AND iteration <= ? AND coalesce(refill_round, 0) = 0
-               GROUP BY iteration ORDER BY iteration DESC""", [campaign, iteration])
+               FROM rollouts WHERE campaign = ? AND iteration BETWEEN ? AND ? AND coalesce(refill_round, 0) = 0
+               GROUP BY iteration ORDER BY iteration DESC""", [campaign, iteration - 1, iteration])
 
     def rollouts_to_score(self, campaign: str, iteration: int) -> pd.DataFrame:
         """The iteration's (non-refill) rollouts with their problem: problem_id, sample, env, completion,
