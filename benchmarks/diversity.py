@@ -47,6 +47,29 @@ def run_rows(store_uri: str, campaign: str) -> tuple[list[dict[str, Any]], float
     return rows, cpu
 
 
+def broad_by_level(store_uri: str, campaign: str) -> dict[str, Any]:
+    """Greedy pass@1 on the broad sealed set per curriculum level (or source), of the base model and of the last
+    version measured on it (the last champion), as promote stored them; {} without a broad set."""
+    from evertrain.data.store import Store
+
+    with Store(store_uri, read_only=True) as store:
+        rows = store.records(
+            "SELECT e.model_version AS version, coalesce(CAST(b.level AS VARCHAR), b.source) AS level, "
+            "avg(e.reward) AS pass1, count(*) AS problems FROM evals e JOIN broad_sealed b "
+            "ON b.campaign = e.campaign AND b.problem_id = e.problem_id "
+            "WHERE e.campaign = ? AND e.split = 'broad' AND e.sample = 0 GROUP BY 1, 2 ORDER BY 1, 2", [campaign])
+    if not rows:
+        return {}
+    last = max(int(r["version"]) for r in rows)
+    out: dict[str, Any] = {"base": 1, "champion": last}
+    for role, version in (("base", 1), ("champion", last)):
+        mine = [r for r in rows if int(r["version"]) == version]
+        out[f"{role}_by_level"] = {str(r["level"]): round(float(r["pass1"]), 4) for r in mine}
+        total = sum(int(r["problems"]) for r in mine)
+        out[f"{role}_pass1"] = sum(float(r["pass1"]) * int(r["problems"]) for r in mine) / total if total else None
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--campaign", required=True, help="the campaign's name in every store")
@@ -76,6 +99,10 @@ def main() -> None:
                 gain = json.loads(path.read_text())
             else:
                 print(f"(no trainee_gain result at {path})")
+        broad = broad_by_level(uri, args.campaign)
+        if broad:
+            print(f"broad sealed set: base v1 {broad['base_pass1']:.2f} {broad['base_by_level']}; champion "
+                  f"v{broad['champion']} {broad['champion_pass1']:.2f} {broad['champion_by_level']}")
         later = rows[1:] or rows
         summary.append({
             "run": name, "cpu_minutes": cpu,
@@ -83,16 +110,17 @@ def main() -> None:
             "distinct_after_0": sum(r["distinct"] for r in later) / len(later),
             "informative_after_0": sum(r["informative"] for r in later) / len(later),
             "last_level": rows[-1]["level"],
+            **({} if not broad else {"champion": broad["champion"], "champion_broad": broad["champion_pass1"]}),
             **({} if gain is None else {
                 "trainee": gain["trainee_version"],
                 "broad_gain": gain["broad"]["gain"] if "broad" in gain else None,
                 "broad_ci95": gain["broad"]["ci95"] if "broad" in gain else None,
                 "trainee_broad": gain["broad"]["trainee_pass1"] if "broad" in gain else None,
                 "gate_gain": gain["gate"]["gain"]})})
-        runs[name] = {"store": uri, "cpu_minutes": cpu, "iterations": rows}
+        runs[name] = {"store": uri, "cpu_minutes": cpu, "iterations": rows, "broad": broad}
     print("\nafter iteration 0 (means over the later iterations)")
     print_table(summary, ["run", "cpu_minutes", "entropy_after_0", "distinct_after_0", "informative_after_0",
-                          "last_level", "trainee_broad", "broad_gain", "gate_gain"])
+                          "last_level", "champion", "champion_broad", "trainee_broad", "broad_gain", "gate_gain"])
     save(args.results_name, {"campaign": args.campaign, "runs": runs, "summary": summary})
 
 

@@ -343,6 +343,12 @@ class EvalConfig(_Strict):
         0, ge=0, description="Problems per environment measured from its sealed test split (and as many from its "
         "transfer split): neither curation nor the gate sees them; the base model and every new champion are "
         "measured on them after promotion (0: not measured; the demo measures 100).")
+    levels: Literal["configured", "curriculum"] = Field(
+        "configured", description="Where the gate's held-out problems come from. 'configured': each environment's "
+        "own held-out pool, at its configured difficulty. 'curriculum': spread evenly across the environment's "
+        "curriculum levels (evertrain.curriculum; level 0 from its own pool, higher levels drawn once with seeds of "
+        "their own), so a trainee that learned at higher levels can show it: a gate at the configured level sees "
+        "nothing once the champion solves that level. Curation refuses them like any gate problem.")
 
 
 class PromotionConfig(_Strict):

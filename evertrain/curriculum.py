@@ -38,6 +38,12 @@ G = 8 it is still 0.83 at p = 0.2 or 0.8, but 0.57 at 0.9 and 0.17 at 0.98). A b
 level where most groups carry signal, and is wide enough that the window's noise (the standard error of a
 pass rate over 16 groups is about 0.1 at p = 0.5) does not make the level jump back and forth.
 
+A level whose answers the turn limit cuts off is never climbed: at the campaign's first curate, 16 reference
+episodes of every level are tokenized with the campaign's tokenizer, and the ladder stops below the first level
+where more than half need more tokens a turn (a tool call, the final answer line) than the environment's
+``max_new_tokens`` (:func:`reachable_top`). The cap is logged, stored with the level's reason and sent to MLflow as
+``curriculum_capped_<env>``. (The agent campaign, at 24 tokens a turn, could not close a level-3 call.)
+
 The level of every iteration and environment is a row in the store's ``curriculum`` table, written by curate
 (replacing a rerun's rows) from earlier iterations only: a rerun of curate, or a campaign resumed after a
 SIGKILL, computes the same level. Curate's metrics carry ``curriculum_level_<env>`` to MLflow.
@@ -71,9 +77,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from itertools import zip_longest
+from typing import TYPE_CHECKING, Any
 
 from evertrain.envs.base import Environment, Problem
+
+if TYPE_CHECKING:
+    from evertrain.config import CampaignConfig
 
 History = Callable[[list[str]], dict[str, float]]  # problem ids -> measured pass rate (only those measured)
 
@@ -102,6 +112,11 @@ class Ladder(ABC):
     def broad(self, level: int, n: int, seed: int) -> list[Problem]:
         """``n`` problems of ``level`` for the broad sealed set (default: training candidates of that level)."""
         return self.problems(level, n, seed, lambda ids: {})[:n]
+
+    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
+        """``n`` of the gate's problems at ``level``, drawn with ``seed`` (``eval.levels = 'curriculum'``), or None
+        where the environment's own held-out pool stands for the level (default: level 0, the configured one)."""
+        return None if level == 0 else self.broad(level, n, seed)
 
     def check(self, level: int) -> None:
         if not 0 <= level < self.levels:
@@ -231,6 +246,10 @@ class TerminalLadder(Ladder):
         # the vendored levels' held-out tasks are the environment's gate and test split already
         return self.problems(0, n, seed, lambda ids: {}) if level == 0 else []
 
+    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
+        # level 0's generated commands have no held-out pool of their own; the vendored levels' is the environment's
+        return self.problems(0, n, seed, lambda ids: {}) if level == 0 else None
+
 
 class ReasoningGymLadder(Ladder):
     def __init__(self, env: Any) -> None:
@@ -291,6 +310,9 @@ class ReasoningGymLadder(Ladder):
         self.check(level)
         return [replace(p, env=self.env.name) for p in self.level_env(level).problems("train", n, seed)]
 
+    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
+        return self.broad(level, n, seed)  # level 0 is the curriculum's easiest, not the configured generator
+
 
 class BandLadder(Ladder):
     """A fixed data set: the level prefers candidates by their measured pass rate (module docstring)."""
@@ -321,6 +343,9 @@ class BandLadder(Ladder):
 
     def broad(self, level: int, n: int, seed: int) -> list[Problem]:
         return []  # a fixed data set's held-out problems are its gate and test split: nothing else is sealed
+
+    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
+        return None  # the bands order training candidates; the held-out pool is the data set's own
 
 
 def _plain(value: Any) -> Any:
@@ -372,10 +397,43 @@ class LevelDecision:
     reason: str
 
 
+def reference_turn_tokens(env: Environment, problem: Problem, count: Callable[[str], int]) -> int | None:
+    """Tokens of the longest turn that ``problem``'s reference episode cannot do without, plus one for the end of
+    the turn: each reference tool call as the policy writes it, and the last line of the final answer (what the
+    strict answer rule reads; a worked line before it is optional). None without a reference."""
+    final = env.reference(problem)
+    if final is None:
+        return None
+    calls = env.reference_calls(problem) if hasattr(env, "reference_calls") else []
+    turns = [f"<{c.name}>\n{c.input}\n</{c.name}>" for c in calls] + [final.strip().splitlines()[-1] if final.strip()
+                                                                        else final]
+    return max(count(turn) + 1 for turn in turns)
+
+
+REACH_SAMPLE = 16  # reference episodes measured per level
+
+
+def reachable_top(ladder: Ladder, limit: int, count: Callable[[str], int], seed: int) -> tuple[int, str | None]:
+    """The highest level whose reference turns fit a turn limit of ``limit`` tokens for at least half of
+    ``REACH_SAMPLE`` problems, and why the ladder stops below its top (None when every level fits). A level whose
+    answers the limit cuts off cannot be learned, whatever the model: its groups would all fail, and the level would
+    only retreat. Levels without reference answers count as reachable."""
+    for level in range(ladder.levels):
+        needs = [n for p in ladder.problems(level, REACH_SAMPLE, seed, lambda ids: {})[:REACH_SAMPLE]
+                 if (n := reference_turn_tokens(ladder.env, p, count)) is not None]
+        if needs and sum(n > limit for n in needs) * 2 > len(needs) and level > 0:
+            needs.sort()
+            return level - 1, (f"level {level} needs {needs[len(needs) // 2]} tokens a turn (median of its reference "
+                               f"answers; up to {needs[-1]}), over the turn limit of {limit}: capped at level "
+                               f"{level - 1}; raise the environment's max_new_tokens to use it")
+    return ladder.levels - 1, None
+
+
 def decide(store: Any, campaign: str, iteration: int, env: str, ladder: Ladder, band_low: float,
-           band_high: float, window: int) -> LevelDecision:
-    """The level of ``env`` at ``iteration``, from earlier iterations' levels and scored groups only."""
-    top = ladder.levels - 1
+           band_high: float, window: int, top: int | None = None) -> LevelDecision:
+    """The level of ``env`` at ``iteration``, from earlier iterations' levels and scored groups only, at most
+    ``top`` (default: the ladder's last level)."""
+    top = ladder.levels - 1 if top is None else min(top, ladder.levels - 1)
     earlier = store.curriculum_history(campaign, env, iteration)
     if earlier.empty:
         return LevelDecision(env, min(ladder.start, top), top, None, 0, None, "start",
@@ -417,8 +475,13 @@ def record(rt: Any, iteration: int) -> tuple[dict[str, int], dict[str, Any]]:
         ladder = cached_ladder(rt.env(spec.name))
         if ladder is None:
             continue
+        top, capped = _reach(rt, spec.name, ladder)
         decision = decide(rt.store, rt.campaign, iteration, spec.name, ladder, cfg.band_low, cfg.band_high,
-                          cfg.window)
+                          cfg.window, top)
+        if capped:
+            metrics[f"curriculum_capped_{spec.name}"] = top
+            if decision.level == top and decision.action != "retreat":
+                decision.reason += f" ({capped})"
         levels[spec.name] = decision.level
         rows.append({"campaign": rt.campaign, "iteration": iteration, **vars(decision), "created_at": stamp})
         metrics[f"curriculum_level_{spec.name}"] = decision.level
@@ -426,6 +489,31 @@ def record(rt: Any, iteration: int) -> tuple[dict[str, int], dict[str, Any]]:
             metrics[f"curriculum_pass_rate_{spec.name}"] = round(decision.pass_rate, 4)
     rt.store.replace("curriculum", {"campaign": rt.campaign, "iteration": iteration}, rows)
     return levels, metrics
+
+
+def _reach(rt: Any, env_name: str, ladder: Ladder) -> tuple[int, str | None]:
+    """:func:`reachable_top` for an environment of the campaign, with the campaign's tokenizer and turn limit
+    (once per runtime; a model without a tokenizer here, e.g. served elsewhere: no cap). Logged when it caps."""
+    cache = vars(rt).setdefault("_curriculum_reach", {})
+    if env_name not in cache:
+        from evertrain.models.policy import ModelError, load_tokenizer
+        from evertrain.runtime import seed_for
+
+        try:
+            tokenizer = load_tokenizer(rt.base_model)
+        except (ModelError, OSError, ValueError):
+            cache[env_name] = (ladder.levels - 1, None)
+        else:
+            def count(text: str) -> int:
+                return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+            cache[env_name] = reachable_top(ladder, rt.config.max_new_tokens(env_name), count,
+                                            seed_for(rt.config.seed, "reach", env_name))
+            if cache[env_name][1]:
+                import logging
+
+                logging.getLogger("evertrain").warning("%s curriculum: %s", env_name, cache[env_name][1])
+    return cache[env_name]
 
 
 def stored_level(rt: Any, iteration: int, env: str) -> int | None:
@@ -453,6 +541,45 @@ def candidates(rt: Any, iteration: int, env: Environment, n: int, seed: int) -> 
     return ladder.problems(min(level, ladder.levels - 1), n, seed, pass_rates(rt, iteration))
 
 
+# --- the gate's problems ------------------------------------------------------------------------------
+
+
+def gate_problems(env: Environment, config: CampaignConfig) -> list[Problem]:
+    """The promotion gate's held-out problems of ``env`` (split ``eval``): ``config.eval_size(env)`` of them.
+
+    ``eval.levels = 'configured'``: the environment's own held-out pool. ``'curriculum'``: the same number spread
+    evenly across its curriculum levels, each level's share drawn once with a seed of its own (level 0 of a
+    generator, and a fixed data set, from the environment's own pool), interleaved so that every look of a
+    sequential gate holds a share of every level. A pure function of the config: curation, the broad sealed set and
+    the endpoint's traces all keep out exactly the problems the gate compares on.
+    """
+    from evertrain.runtime import seed_for
+
+    n = config.eval_size(env.name)
+    ladder = cached_ladder(env) if config.eval.levels == "curriculum" else None
+    if ladder is None or ladder.levels < 2:
+        return env.problems("eval", n, config.seed)
+    shares = [n // ladder.levels + (level < n % ladder.levels) for level in range(ladder.levels)]
+    drawn: list[list[Problem]] = []
+    own = 0
+    for level, share in enumerate(shares):
+        got = ladder.gate(level, share, seed_for(config.seed, "gate", env.name, level)) if share else []
+        if got is None:
+            own += share
+        else:
+            drawn.append(got[:share])
+    if own:
+        drawn.insert(0, env.problems("eval", own, config.seed))
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for row in zip_longest(*drawn):
+        for problem in row:
+            if problem is not None and problem.id not in seen:
+                seen.add(problem.id)
+                out.append(replace(problem, split="eval"))
+    return out
+
+
 # --- the broad sealed set ------------------------------------------------------------------------------
 
 
@@ -464,8 +591,7 @@ def draw_broad(rt: Any) -> list[dict[str, Any]]:
 
     config, per = rt.config, rt.config.curriculum.broad_per_level
     stamp, rows, seen = now(), [], set()
-    gate = {p.id for spec in config.environments
-            for p in rt.env(spec.name).problems("eval", config.eval_size(spec.name), config.seed)}
+    gate = {p.id for spec in config.environments for p in gate_problems(rt.env(spec.name), config)}
     for spec in config.environments:
         env, gate_size = rt.env(spec.name), config.eval_size(spec.name)
         ladder = cached_ladder(env)

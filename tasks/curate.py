@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
 from evertrain.curriculum import candidates as curriculum_candidates
+from evertrain.curriculum import gate_problems
 from evertrain.data.store import now, to_json
 from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem
@@ -53,7 +54,7 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
         # and n-grams to refuse anything that leaks them, never their answers or scores
         sealed = [p for split in ("test", "transfer")
                   for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
-        for problem in env.problems("eval", gate, config.seed) + sealed:
+        for problem in gate_problems(env, config) + sealed:
             ids.add(problem.id)
             if not env.templated:
                 mine.add(problem.prompt)

@@ -143,10 +143,11 @@ def slices(problems: list[Problem], looks: int) -> list[list[Problem]]:
 
 
 def eval_problems(rt: Runtime) -> list[Problem]:
-    """The campaign's fixed held-out set: the first ``eval_size(env)`` problems of every environment."""
-    config = rt.config
-    return [p for spec in config.environments
-            for p in rt.env(spec.name).problems("eval", config.eval_size(spec.name), config.seed)]
+    """The campaign's fixed held-out set: ``eval_size(env)`` problems of every environment, from its own held-out
+    pool or across its curriculum levels (``eval.levels``, :func:`evertrain.curriculum.gate_problems`)."""
+    from evertrain.curriculum import gate_problems
+
+    return [p for spec in rt.config.environments for p in gate_problems(rt.env(spec.name), rt.config)]
 
 
 def sealed_problems(rt: Runtime) -> list[Problem]:

@@ -190,6 +190,84 @@ def test_broad_sealed_set_never_enters_curation_or_the_gate(tmp_path, models_dir
     assert broad_rows == ids - sealed and not set(evals[evals["split"] == "gate"]["problem_id"]) & ids
 
 
+def test_a_gate_across_levels_measures_every_level_and_is_never_trained_on(tmp_path, models_dir):
+    """eval.levels = 'curriculum': a champion that solves the configured level can no longer hide a trainee's
+    gain at higher levels (the agent campaign's gate saw +0.000 for trainees trained at levels 1-2)."""
+    from evertrain.tasks.curate import RULES, select
+    from evertrain.tasks.evaluate import eval_problems, slices
+
+    config = smoke_config_in(tmp_path, models_dir, curriculum={"window": 4, "broad_per_level": 4, "enabled": True},
+                             environments=[{"name": "arithmetic", "weight": 1, "options": {"high": 20}}])
+    with Runtime.open(config) as configured:
+        numbers = [int(x) for p in eval_problems(configured) for x in re.findall(r"\d+", p.prompt)]
+    assert max(numbers) <= 20  # the configured gate: operands 2..20, all of it at level 0
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"levels": "curriculum",
+                                                                               "problems_per_env": 20})})
+    rt = Runtime.open(config)
+    gate = eval_problems(rt)
+    assert len(gate) == 20 and len({p.id for p in gate}) == 20 and {p.split for p in gate} == {"eval"}
+    ladder = ladder_for(rt.env("arithmetic"))
+    assert ladder is not None and ladder.levels == 5  # 2..40 +, 2..40 +-, 2..200 +-, 20..2000 +-
+
+    def spread(problems: list) -> tuple[int, bool]:
+        values = [int(x) for p in problems for x in re.findall(r"\d+", p.prompt)]
+        return max(values), any(" - " in p.prompt or "minus" in p.prompt.lower() for p in problems)
+
+    assert spread(gate)[0] > 200 and spread(gate)[1]  # the top level's operands, and the subtraction levels
+    # the first of two sequential looks already holds a share of every level, not only level 0's problems
+    first = slices(gate, 2)[0]
+    assert len(first) == 10 and spread(first)[0] > 200 and spread(first)[1]
+    assert any(max(int(x) for x in re.findall(r"\d+", p.prompt)) <= 20 for p in first)
+    # curation refuses every gate problem offered to it, at any level, as contaminated
+    dropped = dict.fromkeys(RULES, 0)
+    kept = select(rt, 1, rt.env("arithmetic"), gate, len(gate), set(), NgramIndex(n=3), dropped)
+    assert kept == [] and dropped["contaminated"] == len(gate)
+    # the broad sealed set is drawn around the gate's problems, and a curate at the top level trains on none
+    run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+    assert broad_ids(rt) and not broad_ids(rt) & {p.id for p in gate}
+    # a pure function of the config: the same problems in a fresh runtime (a rerun, a resumed campaign)
+    from evertrain.curriculum import gate_problems
+
+    assert [p.id for p in gate_problems(registry.get("arithmetic", high=20), config)] == [p.id for p in gate]
+
+
+def test_levels_whose_answers_the_turn_limit_cuts_off_are_not_climbed(tmp_path, models_dir):
+    """At 24 tokens a turn the agent campaign could not close a level-3 or level-4 tool call (33 and 45 tokens with
+    SmolLM2's tokenizer): those levels could only fail. The ladder stops below them, and says why."""
+    from evertrain.curriculum import reachable_top, reference_turn_tokens
+
+    env = registry.get("calculator")
+    ladder = ladder_for(env)
+    assert ladder is not None and ladder.levels == 5
+
+    def chars(text: str) -> int:  # any counter will do for the rule: characters here
+        return len(text)
+
+    def median(level: int) -> int:
+        needs = sorted(reference_turn_tokens(env, p, chars) for p in ladder.problems(level, 16, 3, lambda ids: {}))
+        return needs[len(needs) // 2]
+
+    assert median(0) < median(2) < median(4)  # more operands, more digits: longer calls
+    assert reachable_top(ladder, 10_000, chars, 3) == (4, None)
+    top, why = reachable_top(ladder, median(2), chars, 3)
+    assert 2 <= top < 4 and f"capped at level {top}" in why and "max_new_tokens" in why
+    assert reachable_top(ladder, 1, chars, 3)[0] == 0  # level 0 is never capped: the configured problems stay
+    # in a campaign: the stored level stops at the cap however well the groups pass, and the reason says why
+    config = smoke_config_in(tmp_path, models_dir, curriculum={"window": 4, "enabled": True},
+                             environments=[{"name": "calculator", "weight": 1, "max_new_tokens": 4}])
+    with Runtime.open(config) as rt:
+        curate = STAGE_FUNCTIONS["curate"]
+        first = run_stage(rt, "curate", 0, curate)
+        assert first["curriculum_capped_calculator"] == 0
+        rt.store.append("rollouts", _groups(rt.campaign, 0, "calculator", [1.0] * 4))
+        run_stage(rt, "curate", 1, curate)
+        level, action = _level(rt, 1, "calculator")
+        row = rt.store.query("SELECT max_level, reason FROM curriculum WHERE campaign = ? AND iteration = 1",
+                             [rt.campaign])
+        assert (level, action) == (0, "hold") and int(row["max_level"].iloc[0]) == 0
+        assert "over the turn limit of 4" in row["reason"].iloc[0]
+
+
 def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_dir):
     rt = Runtime.open(_config(tmp_path, models_dir))
     c = rt.campaign

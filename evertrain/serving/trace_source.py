@@ -39,6 +39,7 @@ def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
 
     Cached by the config's JSON: a pure function of it (environments built here, no store or connection kept)."""
     from evertrain.config import CampaignConfig
+    from evertrain.curriculum import gate_problems
     from evertrain.envs import registry
 
     config = CampaignConfig.model_validate_json(config_json)
@@ -47,7 +48,7 @@ def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
         env, gate = registry.get(spec.name, **spec.options), config.eval_size(spec.name)
         sealed = [p for split in SEALED_SPLITS
                   for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
-        held |= {(spec.name, _normal(p.prompt)) for p in env.problems("eval", gate, config.seed) + sealed}
+        held |= {(spec.name, _normal(p.prompt)) for p in gate_problems(env, config) + sealed}
     return frozenset(held)
 
 
