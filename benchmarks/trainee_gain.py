@@ -68,7 +68,7 @@ def extra_problems(rt: Any, n: int) -> list[Any]:
 
     config, out = rt.config, []
     for spec in config.environments:
-        env, size, gate = rt.env(spec.name), config.sealed_size(spec.name), config.eval_size(spec.name)
+        env, size, gate = rt.env(spec.name), config.sealed_size(spec.name), config.held_out_size(spec.name)
         sealed = env.sealed_problems("test", size, config.seed, gate)
         larger = env.sealed_problems("test", size + n, config.seed, gate)
         if [p.id for p in larger[:len(sealed)]] != [p.id for p in sealed]:

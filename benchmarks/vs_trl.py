@@ -500,7 +500,7 @@ class Evaluator:
         self.config, self.dtype = config, getattr(torch, dtype)
         self.env = arithmetic_env(config)
         # the sealed splits: neither evertrain's curation nor its gate ever sees them
-        self.problems = self.env.sealed_problems(split, n, config.seed, gate=config.eval_size("arithmetic"))
+        self.problems = self.env.sealed_problems(split, n, config.seed, gate=config.held_out_size("arithmetic"))
         if not self.problems:
             raise RuntimeError(f"arithmetic has no sealed {split!r} split with these options")
         self.cache: dict[str, dict[str, Any]] = {}

@@ -343,6 +343,11 @@ class EvalConfig(_Strict):
         0, ge=0, description="Problems per environment measured from its sealed test split (and as many from its "
         "transfer split): neither curation nor the gate sees them; the base model and every new champion are "
         "measured on them after promotion (0: not measured; the demo measures 100).")
+    rotations: int = Field(
+        1, ge=1, le=20, description="The gate's held-out problems are this many disjoint sets of eval_problems each, "
+        "drawn at once and all kept out of training; the k-th gate of the campaign compares on set k mod rotations. "
+        "A champion is then judged at its next gate on problems that did not select it (the winner's curse of a "
+        "fixed set), at the price of the champion answering each set once. 1: one fixed set.")
     levels: Literal["configured", "curriculum"] = Field(
         "configured", description="Where the gate's held-out problems come from. 'configured': each environment's "
         "own held-out pool, at its configured difficulty. 'curriculum': spread evenly across the environment's "
@@ -628,6 +633,16 @@ class CampaignConfig(_Strict):
         if spec is not None and spec.eval_problems is not None:
             return spec.eval_problems
         return self.eval.problems_per_env
+
+    def held_out_size(self, env: str) -> int:
+        """How many of ``env``'s held-out problems belong to the gate: every rotation's (``eval.rotations``). The
+        sealed splits are drawn beyond them."""
+        return self.eval_size(env) * self.eval.rotations
+
+    def gate_rotation(self, iteration: int) -> int:
+        """Which of the gate's ``eval.rotations`` sets the gate of ``iteration`` compares on: the campaign's k-th
+        gate (counting the iterations that gate every ``eval.every`` updates) takes set k mod rotations."""
+        return max((iteration + 1) // self.eval.every - 1, 0) % self.eval.rotations
 
     def sealed_size(self, env: str) -> int:
         """How many problems of ``env``'s sealed test split (and of its transfer split) are measured."""

@@ -544,8 +544,10 @@ def candidates(rt: Any, iteration: int, env: Environment, n: int, seed: int) -> 
 # --- the gate's problems ------------------------------------------------------------------------------
 
 
-def gate_problems(env: Environment, config: CampaignConfig) -> list[Problem]:
-    """The promotion gate's held-out problems of ``env`` (split ``eval``): ``config.eval_size(env)`` of them.
+def gate_problems(env: Environment, config: CampaignConfig, rotation: int | None = None) -> list[Problem]:
+    """The promotion gate's held-out problems of ``env`` (split ``eval``): ``config.eval_size(env)`` of them for one
+    ``rotation`` (``eval.rotations``: the k-th set is every rotations-th problem of the pool from the k-th on, so each
+    holds a share of every level), or the whole pool of ``config.held_out_size(env)`` (None: what curation refuses).
 
     ``eval.levels = 'configured'``: the environment's own held-out pool. ``'curriculum'``: the same number spread
     evenly across its curriculum levels, each level's share drawn once with a seed of its own (level 0 of a
@@ -553,12 +555,20 @@ def gate_problems(env: Environment, config: CampaignConfig) -> list[Problem]:
     sequential gate holds a share of every level. A pure function of the config: curation, the broad sealed set and
     the endpoint's traces all keep out exactly the problems the gate compares on.
     """
+    strata = _gate_strata(env, config)
+    if rotation is not None:  # each set takes every rotations-th problem of every level: a share of each level
+        strata = [stratum[rotation % config.eval.rotations::config.eval.rotations] for stratum in strata]
+    return [problem for row in zip_longest(*strata) for problem in row if problem is not None]
+
+
+def _gate_strata(env: Environment, config: CampaignConfig) -> list[list[Problem]]:
+    """The gate's whole held-out pool of ``env`` (every rotation's), one list per level, no problem twice."""
     from evertrain.runtime import seed_for
 
-    n = config.eval_size(env.name)
+    n = config.held_out_size(env.name)
     ladder = cached_ladder(env) if config.eval.levels == "curriculum" else None
     if ladder is None or ladder.levels < 2:
-        return env.problems("eval", n, config.seed)
+        return [env.problems("eval", n, config.seed)]
     shares = [n // ladder.levels + (level < n % ladder.levels) for level in range(ladder.levels)]
     drawn: list[list[Problem]] = []
     own = 0
@@ -570,14 +580,16 @@ def gate_problems(env: Environment, config: CampaignConfig) -> list[Problem]:
             drawn.append(got[:share])
     if own:
         drawn.insert(0, env.problems("eval", own, config.seed))
-    out: list[Problem] = []
     seen: set[str] = set()
-    for row in zip_longest(*drawn):
-        for problem in row:
-            if problem is not None and problem.id not in seen:
+    strata = []
+    for stratum in drawn:
+        mine = []
+        for problem in stratum:
+            if problem.id not in seen:
                 seen.add(problem.id)
-                out.append(replace(problem, split="eval"))
-    return out
+                mine.append(replace(problem, split="eval"))
+        strata.append(mine)
+    return strata
 
 
 # --- the broad sealed set ------------------------------------------------------------------------------
@@ -593,7 +605,7 @@ def draw_broad(rt: Any) -> list[dict[str, Any]]:
     stamp, rows, seen = now(), [], set()
     gate = {p.id for spec in config.environments for p in gate_problems(rt.env(spec.name), config)}
     for spec in config.environments:
-        env, gate_size = rt.env(spec.name), config.eval_size(spec.name)
+        env, gate_size = rt.env(spec.name), config.held_out_size(spec.name)
         ladder = cached_ladder(env)
         drawn: list[tuple[int | None, str, Problem]] = []
         if ladder is not None:

@@ -474,7 +474,8 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
         discordant = max(2 * p * (1 - p), 1.0 / max(problems, 1))
         source = "assumed 2p(1-p)" + ("" if champion is None else f" at champion pass@1 {p:.2f}")
     return {"problems": problems, "alpha": alpha, "power": power, "discordant": discordant, "source": source,
-            "levels": config.eval.levels, "min_gain": min_detectable_gain(problems, alpha, power, discordant),
+            "levels": config.eval.levels, "rotations": config.eval.rotations,
+            "min_gain": min_detectable_gain(problems, alpha, power, discordant),
             "min_gain_2x": min_detectable_gain(2 * problems, alpha, power, discordant),
             "min_gain_4x": min_detectable_gain(4 * problems, alpha, power, discordant)}
 
@@ -487,6 +488,8 @@ def format_gate_power(g: dict[str, Any] | None) -> list[str]:
         return "none up to the discordant share" if value is None else f"+{value:.3f}"
 
     spread = " across the curriculum levels" if g.get("levels") == "curriculum" else ""
+    if g.get("rotations", 1) > 1:
+        spread += f" (one of {g['rotations']} sets, rotated at every gate)"
     return [f"gate power: {g['problems']} problems{spread}, one-sided error {g['alpha']:.2f}, power {g['power']:.0%}, "
             f"discordant share {g['discordant']:.2f} ({g['source']}): smallest gain detected {gain(g['min_gain'])} "
             f"(with 2x the problems {gain(g['min_gain_2x'])}, 4x {gain(g['min_gain_4x'])})"]

@@ -49,7 +49,7 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
     for spec in config.environments:
         env = registry.get(spec.name, **spec.options)
         mine = NgramIndex(n=config.curation.decontamination_ngram)
-        gate = config.eval_size(spec.name)
+        gate = config.held_out_size(spec.name)
         # the sealed splits are kept out of training like the gate's set: curation only learns their ids
         # and n-grams to refuse anything that leaks them, never their answers or scores
         sealed = [p for split in ("test", "transfer")

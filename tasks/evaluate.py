@@ -142,12 +142,14 @@ def slices(problems: list[Problem], looks: int) -> list[list[Problem]]:
     return [part for part in out if part]
 
 
-def eval_problems(rt: Runtime) -> list[Problem]:
-    """The campaign's fixed held-out set: ``eval_size(env)`` problems of every environment, from its own held-out
-    pool or across its curriculum levels (``eval.levels``, :func:`evertrain.curriculum.gate_problems`)."""
+def eval_problems(rt: Runtime, iteration: int | None = None) -> list[Problem]:
+    """The gate's held-out problems of every environment, from its own held-out pool or across its curriculum levels
+    (``eval.levels``, :func:`evertrain.curriculum.gate_problems`): those the gate of ``iteration`` compares on
+    (``eval_size(env)`` each, the iteration's ``eval.rotations`` set), or every rotation's (None)."""
     from evertrain.curriculum import gate_problems
 
-    return [p for spec in rt.config.environments for p in gate_problems(rt.env(spec.name), rt.config)]
+    rotation = None if iteration is None else rt.config.gate_rotation(iteration)
+    return [p for spec in rt.config.environments for p in gate_problems(rt.env(spec.name), rt.config, rotation)]
 
 
 def sealed_problems(rt: Runtime) -> list[Problem]:
@@ -158,7 +160,7 @@ def sealed_problems(rt: Runtime) -> list[Problem]:
     for spec in config.environments:
         env, size = rt.env(spec.name), config.sealed_size(spec.name)
         for split in ("test", "transfer"):
-            out += [p for p in env.sealed_problems(split, size, config.seed, config.eval_size(spec.name))
+            out += [p for p in env.sealed_problems(split, size, config.seed, config.held_out_size(spec.name))
                     if p.id not in gate]
     return out
 
@@ -370,13 +372,15 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, Any]:
         rt.store.replace("evals", {"campaign": rt.campaign, "iteration": iteration, "split": "gate"}, [])
         return {"skipped": skipped}
     left_out = zero_skipped(rt, iteration)
-    problems = [p for p in eval_problems(rt) if p.env not in left_out]
+    problems = [p for p in eval_problems(rt, iteration) if p.env not in left_out]
     if not problems:  # every environment is a guard at 0: the gate still needs something to compare
-        left_out, problems = {}, eval_problems(rt)
+        left_out, problems = {}, eval_problems(rt, iteration)
     challenger, champion = challenger_of(rt, iteration), champion_of(rt, iteration)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {"challenger_version": challenger, "champion_version": champion,
                                "eval_problems": len(problems)}
+    if rt.config.eval.rotations > 1:
+        metrics["gate_rotation"] = rt.config.gate_rotation(iteration)
     metrics.update({f"skipped_env_{env}": why for env, why in left_out.items()})
     roles = ([("champion", champion)] if champion != challenger else []) + [("challenger", challenger)]
     for role, version in roles:

@@ -211,6 +211,43 @@ def test_seeded_update_gate_every_k_generation_keys_and_sealed_splits(tmp_path, 
     assert '"problems": 4' in decision  # the gate compared its own 4 problems, not the sealed 3
 
 
+def test_rotated_gate_sets_are_disjoint_held_out_and_each_gate_compares_on_its_own(tmp_path, models_dir):
+    """eval.rotations = 2: the gate alternates between two disjoint sets, both kept out of training and of the
+    sealed split, so a champion is judged at its next gate on problems that did not select it."""
+    from evertrain.envs.quality import NgramIndex
+    from evertrain.tasks.curate import RULES, select
+
+    config = smoke_config_in(
+        tmp_path, models_dir, name="rotate", environments=[{"name": "digits", "weight": 1}],
+        problems_per_iteration=4, group_size=4, eval={"problems_per_env": 3, "rotations": 2, "sealed_problems": 3},
+        update={"learning_rate": 1e-2, "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False},
+        promotion={"bootstrap_samples": 200})
+    rt = Runtime.open(config)
+    first, second = [{p.id for p in eval_problems(rt, i)} for i in (0, 1)]
+    assert len(first) == len(second) == 3 and not first & second
+    assert {p.id for p in eval_problems(rt, 2)} == first  # the third gate takes the first set again
+    assert {p.id for p in eval_problems(rt)} == first | second
+    # both sets are held out: curation refuses them, and the sealed split lies beyond both
+    pool = eval_problems(rt)
+    dropped = dict.fromkeys(RULES, 0)
+    assert select(rt, 0, rt.env("digits"), pool, len(pool), set(), NgramIndex(n=3), dropped) == []
+    assert dropped["contaminated"] == 6
+    assert len(sealed_problems(rt)) == 3 and not {p.id for p in sealed_problems(rt)} & (first | second)
+    for iteration in (0, 1):
+        for stage in ("curate", "rollout", "score", "update", "evaluate", "promote"):
+            metrics = run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
+            if stage == "evaluate":
+                assert metrics["gate_rotation"] == iteration
+    gate = rt.store.query("SELECT iteration, role, problem_id, reused_from FROM evals WHERE split = 'gate' "
+                          "AND sample = 0")
+    assert set(gate[gate["iteration"] == 0]["problem_id"]) == first
+    assert set(gate[gate["iteration"] == 1]["problem_id"]) == second
+    # the champion had never answered the second set: its answers there are new, not reused from the first gate
+    champion = gate[(gate["iteration"] == 1) & (gate["role"] == "champion")]
+    assert len(champion) == 3 and champion["reused_from"].isna().all()
+    rt.close()
+
+
 def test_an_update_with_nothing_to_learn_registers_no_challenger(tmp_path, models_dir):
     # the tiny model never writes a correct '#### <number>': every arithmetic group's rewards agree at 0
     config = smoke_config_in(

@@ -45,7 +45,7 @@ def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
     config = CampaignConfig.model_validate_json(config_json)
     held = set()
     for spec in config.environments:
-        env, gate = registry.get(spec.name, **spec.options), config.eval_size(spec.name)
+        env, gate = registry.get(spec.name, **spec.options), config.held_out_size(spec.name)
         sealed = [p for split in SEALED_SPLITS
                   for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
         held |= {(spec.name, _normal(p.prompt)) for p in gate_problems(env, config) + sealed}
