@@ -47,6 +47,17 @@ def run_rows(store_uri: str, campaign: str) -> tuple[list[dict[str, Any]], float
     return rows, cpu
 
 
+def gates(store_uri: str, campaign: str) -> list[dict[str, Any]]:
+    """Every gate's decision: iteration, the two versions, their pass@1 on the gate's problems, promoted."""
+    from evertrain.data.store import Store
+
+    with Store(store_uri, read_only=True) as store:
+        return [{key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
+                for row in store.records(
+                    "SELECT iteration, challenger_version, champion_version, challenger_pass1, champion_pass1, "
+                    "promoted FROM promotions WHERE campaign = ? ORDER BY iteration", [campaign])]
+
+
 def broad_by_level(store_uri: str, campaign: str) -> dict[str, Any]:
     """Greedy pass@1 on the broad sealed set per curriculum level (or source), of the base model and of the last
     version measured on it (the last champion), as promote stored them; {} without a broad set."""
@@ -117,7 +128,12 @@ def main() -> None:
                 "broad_ci95": gain["broad"]["ci95"] if "broad" in gain else None,
                 "trainee_broad": gain["broad"]["trainee_pass1"] if "broad" in gain else None,
                 "gate_gain": gain["gate"]["gain"]})})
-        runs[name] = {"store": uri, "cpu_minutes": cpu, "iterations": rows, "broad": broad}
+        decided = gates(uri, args.campaign)
+        for gate in decided:
+            print(f"gate i={gate['iteration']}: v{gate['challenger_version']} {gate['challenger_pass1']:.2f} against "
+                  f"v{gate['champion_version']} {gate['champion_pass1']:.2f}, "
+                  f"{'promoted' if gate['promoted'] else 'refused'}")
+        runs[name] = {"store": uri, "cpu_minutes": cpu, "iterations": rows, "broad": broad, "gates": decided}
     print("\nafter iteration 0 (means over the later iterations)")
     print_table(summary, ["run", "cpu_minutes", "entropy_after_0", "distinct_after_0", "informative_after_0",
                           "last_level", "champion", "champion_broad", "trainee_broad", "broad_gain", "gate_gain"])

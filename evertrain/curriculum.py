@@ -38,11 +38,12 @@ G = 8 it is still 0.83 at p = 0.2 or 0.8, but 0.57 at 0.9 and 0.17 at 0.98). A b
 level where most groups carry signal, and is wide enough that the window's noise (the standard error of a
 pass rate over 16 groups is about 0.1 at p = 0.5) does not make the level jump back and forth.
 
-A level whose answers the turn limit cuts off is never climbed: at the campaign's first curate, 16 reference
-episodes of every level are tokenized with the campaign's tokenizer, and the ladder stops below the first level
-where more than half need more tokens a turn (a tool call, the final answer line) than the environment's
-``max_new_tokens`` (:func:`reachable_top`). The cap is logged, stored with the level's reason and sent to MLflow as
-``curriculum_capped_<env>``. (The agent campaign, at 24 tokens a turn, could not close a level-3 call.)
+A level whose answers the turn limit cuts off is never climbed: when curate first runs in a process, 16 reference
+episodes of every level (seeded: the same every time) are tokenized with the campaign's tokenizer, and the ladder
+stops below the first level where more than half need more tokens a turn (a tool call, the final answer line) than
+the environment's ``max_new_tokens`` (:func:`reachable_top`). The cap is logged, stored with the level's reason
+and sent to MLflow as ``curriculum_capped_<env>``. (The agent campaign, at 24 tokens a turn, could not close a
+level-3 call.)
 
 The level of every iteration and environment is a row in the store's ``curriculum`` table, written by curate
 (replacing a rerun's rows) from earlier iterations only: a rerun of curate, or a campaign resumed after a
