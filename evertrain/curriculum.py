@@ -116,8 +116,8 @@ class Ladder(ABC):
 
     def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
         """``n`` of the gate's problems at ``level``, drawn with ``seed`` (``eval.levels = 'curriculum'``), or None
-        where the environment's own held-out pool stands for the level (default: level 0, the configured one)."""
-        return None if level == 0 else self.broad(level, n, seed)
+        where the environment's own held-out pool stands for the level (default: the start, the configured one)."""
+        return None if level == self.start else self.broad(level, n, seed)
 
     def check(self, level: int) -> None:
         if not 0 <= level < self.levels:
@@ -125,8 +125,8 @@ class Ladder(ABC):
 
 
 class SpecLadder(Ladder):
-    """A ladder of generator settings: level 0 (spec None) is the environment as configured, every higher level
-    a spec its subclass generates problems from."""
+    """A ladder of generator settings: the level whose spec is None is the environment as configured (the start),
+    every other level a spec its subclass generates problems from."""
 
     specs: list[Any]
 
@@ -144,6 +144,9 @@ class SpecLadder(Ladder):
         if spec is None:
             return self.env.problems("train", n, seed)
         return self.generate(level, spec, n, seed)
+
+    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
+        return None if self.specs[level] is None else self.broad(level, n, seed)
 
     @abstractmethod
     def describe_configured(self) -> str: ...
@@ -492,29 +495,42 @@ def record(rt: Any, iteration: int) -> tuple[dict[str, int], dict[str, Any]]:
     return levels, metrics
 
 
-def _reach(rt: Any, env_name: str, ladder: Ladder) -> tuple[int, str | None]:
-    """:func:`reachable_top` for an environment of the campaign, with the campaign's tokenizer and turn limit
-    (once per runtime; a model without a tokenizer here, e.g. served elsewhere: no cap). Logged when it caps."""
-    cache = vars(rt).setdefault("_curriculum_reach", {})
-    if env_name not in cache:
-        from evertrain.models.policy import ModelError, load_tokenizer
+def turn_limit_top(env: Environment, config: CampaignConfig) -> tuple[int, str | None]:
+    """:func:`reachable_top` of ``env``'s ladder with the campaign's tokenizer and turn limit: a function of the
+    config, computed once per environment instance (a model without a tokenizer here, e.g. served elsewhere: no
+    cap)."""
+    ladder = cached_ladder(env)
+    if ladder is None:
+        return 0, None
+    key = (config.model.path, config.model.models_dir, config.max_new_tokens(env.name), config.seed)
+    cache = vars(env).setdefault("_curriculum_reach", {})
+    if key not in cache:
+        from evertrain.models.policy import ModelError, load_tokenizer, resolve_base
         from evertrain.runtime import seed_for
 
         try:
-            tokenizer = load_tokenizer(rt.base_model)
+            tokenizer = load_tokenizer(resolve_base(config.model))
         except (ModelError, OSError, ValueError):
-            cache[env_name] = (ladder.levels - 1, None)
+            cache[key] = (ladder.levels - 1, None)
         else:
             def count(text: str) -> int:
                 return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-            cache[env_name] = reachable_top(ladder, rt.config.max_new_tokens(env_name), count,
-                                            seed_for(rt.config.seed, "reach", env_name))
-            if cache[env_name][1]:
-                import logging
+            cache[key] = reachable_top(ladder, config.max_new_tokens(env.name), count,
+                                       seed_for(config.seed, "reach", env.name))
+    return cache[key]
 
-                logging.getLogger("evertrain").warning("%s curriculum: %s", env_name, cache[env_name][1])
-    return cache[env_name]
+
+def _reach(rt: Any, env_name: str, ladder: Ladder) -> tuple[int, str | None]:
+    """:func:`turn_limit_top` for an environment of the campaign, logged once per runtime when it caps."""
+    top, capped = turn_limit_top(rt.env(env_name), rt.config)
+    logged = vars(rt).setdefault("_curriculum_reach_logged", set())
+    if capped and env_name not in logged:
+        import logging
+
+        logged.add(env_name)
+        logging.getLogger("evertrain").warning("%s curriculum: %s", env_name, capped)
+    return top, capped
 
 
 def stored_level(rt: Any, iteration: int, env: str) -> int | None:
@@ -551,10 +567,11 @@ def gate_problems(env: Environment, config: CampaignConfig, rotation: int | None
     holds a share of every level), or the whole pool of ``config.held_out_size(env)`` (None: what curation refuses).
 
     ``eval.levels = 'configured'``: the environment's own held-out pool. ``'curriculum'``: the same number spread
-    evenly across its curriculum levels, each level's share drawn once with a seed of its own (level 0 of a
-    generator, and a fixed data set, from the environment's own pool), interleaved so that every look of a
-    sequential gate holds a share of every level. A pure function of the config: curation, the broad sealed set and
-    the endpoint's traces all keep out exactly the problems the gate compares on.
+    evenly across its curriculum levels up to the highest the turn limit can express (:func:`turn_limit_top`), each
+    level's share drawn once with a seed of its own (a generator's configured level, and a fixed data set, from the
+    environment's own pool), interleaved so that every look of a sequential gate holds a share of every level. A pure
+    function of the config: curation, the broad sealed set and the endpoint's traces all keep out exactly the
+    problems the gate compares on.
     """
     strata = _gate_strata(env, config)
     if rotation is not None:  # each set takes every rotations-th problem of every level: a share of each level
@@ -568,9 +585,11 @@ def _gate_strata(env: Environment, config: CampaignConfig) -> list[list[Problem]
 
     n = config.held_out_size(env.name)
     ladder = cached_ladder(env) if config.eval.levels == "curriculum" else None
-    if ladder is None or ladder.levels < 2:
+    # levels whose answers the turn limit cuts off are left out: both models could only score 0 there
+    levels = turn_limit_top(env, config)[0] + 1 if ladder is not None else 1
+    if ladder is None or levels < 2:
         return [env.problems("eval", n, config.seed)]
-    shares = [n // ladder.levels + (level < n % ladder.levels) for level in range(ladder.levels)]
+    shares = [n // levels + (level < n % levels) for level in range(levels)]
     drawn: list[list[Problem]] = []
     own = 0
     for level, share in enumerate(shares):

@@ -266,6 +266,21 @@ def test_levels_whose_answers_the_turn_limit_cuts_off_are_not_climbed(tmp_path, 
                              [rt.campaign])
         assert (level, action) == (0, "hold") and int(row["max_level"].iloc[0]) == 0
         assert "over the turn limit of 4" in row["reason"].iloc[0]
+    # a gate across the levels leaves the capped ones out: both models could only score 0 on them
+    from evertrain.curriculum import gate_problems
+
+    gated = config.model_copy(update={"eval": config.eval.model_copy(update={"levels": "curriculum",
+                                                                              "problems_per_env": 20})})
+
+    def operands(problems: list) -> int:
+        return max(len(re.findall(r"\d+", p.prompt)) for p in problems)
+
+    capped = gate_problems(registry.get("calculator"), gated)
+    assert len(capped) == 20 and operands(capped) == 2
+    assert [p.id for p in capped] == [p.id for p in registry.get("calculator").problems("eval", 20, gated.seed)]
+    roomy = gated.model_copy(update={"environments": [gated.environments[0].model_copy(
+        update={"max_new_tokens": 400})]})
+    assert operands(gate_problems(registry.get("calculator"), roomy)) == 4
 
 
 def test_diversity_from_stored_rollouts_with_known_duplicates(tmp_path, models_dir):
