@@ -116,8 +116,8 @@ class Ladder(ABC):
 
     def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
         """``n`` of the gate's problems at ``level``, drawn with ``seed`` (``eval.levels = 'curriculum'``), or None
-        where the environment's own held-out pool stands for the level (default: the start, the configured one)."""
-        return None if level == self.start else self.broad(level, n, seed)
+        where the environment's own held-out pool stands for the level (default: level 0, the configured one)."""
+        return None if level == 0 else self.broad(level, n, seed)
 
     def check(self, level: int) -> None:
         if not 0 <= level < self.levels:
@@ -125,8 +125,8 @@ class Ladder(ABC):
 
 
 class SpecLadder(Ladder):
-    """A ladder of generator settings: the level whose spec is None is the environment as configured (the start),
-    every other level a spec its subclass generates problems from."""
+    """A ladder of generator settings: level 0 (spec None) is the environment as configured, every higher level
+    a spec its subclass generates problems from."""
 
     specs: list[Any]
 
@@ -144,9 +144,6 @@ class SpecLadder(Ladder):
         if spec is None:
             return self.env.problems("train", n, seed)
         return self.generate(level, spec, n, seed)
-
-    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
-        return None if self.specs[level] is None else self.broad(level, n, seed)
 
     @abstractmethod
     def describe_configured(self) -> str: ...
@@ -479,7 +476,7 @@ def record(rt: Any, iteration: int) -> tuple[dict[str, int], dict[str, Any]]:
         ladder = cached_ladder(rt.env(spec.name))
         if ladder is None:
             continue
-        top, capped = _reach(rt, spec.name, ladder)
+        top, capped = _reach(rt, spec.name)
         decision = decide(rt.store, rt.campaign, iteration, spec.name, ladder, cfg.band_low, cfg.band_high,
                           cfg.window, top)
         if capped:
@@ -521,7 +518,7 @@ def turn_limit_top(env: Environment, config: CampaignConfig) -> tuple[int, str |
     return cache[key]
 
 
-def _reach(rt: Any, env_name: str, ladder: Ladder) -> tuple[int, str | None]:
+def _reach(rt: Any, env_name: str) -> tuple[int, str | None]:
     """:func:`turn_limit_top` for an environment of the campaign, logged once per runtime when it caps."""
     top, capped = turn_limit_top(rt.env(env_name), rt.config)
     logged = vars(rt).setdefault("_curriculum_reach_logged", set())
