@@ -489,18 +489,30 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _signal_types() -> tuple[type[BaseException], ...]:
+    """What a signal turns into in this process: a KeyboardInterrupt (Ctrl-C, or :func:`_interrupt` on SIGTERM), or,
+    while a Prefect flow runs, Prefect's ``TerminationSignal``: Prefect swaps its own SIGTERM handler in for the
+    length of a flow run (``prefect.utilities.engine.capture_sigterm``). Prefect's type is looked up only if Prefect
+    is imported: before that, nothing can have raised it."""
+    exceptions = sys.modules.get("prefect.exceptions")
+    external = getattr(exceptions, "ExternalSignal", None)
+    return (KeyboardInterrupt,) if external is None else (KeyboardInterrupt, external)
+
+
 def _interrupted(error: BaseException) -> bool:
-    """Whether ``error`` is an interruption in disguise: DuckDB turns a KeyboardInterrupt raised during a query (by
-    Ctrl-C, or by :func:`_interrupt` on SIGTERM) into ``RuntimeError('Query interrupted')``, usually caused by it.
-    Not always: re-raised through a retry and a Prefect flow run, it came out of `evertrain run` without the
-    KeyboardInterrupt in its chain (a fresh-clone CI run, stop 38), so any error after :func:`_interrupt` has run
-    counts too."""
+    """Whether ``error`` is an interruption in disguise. DuckDB turns an exception raised by a signal handler during
+    a query into ``RuntimeError('Query interrupted')`` caused by it; during a flow run that handler is Prefect's, so
+    the cause is Prefect's ``TerminationSignal``, not a KeyboardInterrupt, and Prefect's bridge, which hands SIGTERM
+    on to the handler before it only when its own signal reaches it, never sees it (two fresh-clone CI runs, stops
+    38 and 40: `evertrain run` exited 1). So a signal type anywhere in the chain counts, and so does any error
+    after :func:`_interrupt` has run."""
     if _SIGNALLED:
         return True
+    signals = _signal_types()
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, KeyboardInterrupt):
+        if isinstance(current, signals):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__
@@ -816,6 +828,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return _report_interrupt()
+    except BaseException as error:  # Prefect's TerminationSignal, raised straight out of a flow run
+        if isinstance(error, _signal_types()):
+            return _report_interrupt()
+        raise
 
 
 def _report_interrupt() -> int:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -110,3 +111,29 @@ def test_any_error_after_the_signal_handler_ran_counts_as_an_interruption():
     finally:
         cli._SIGNALLED.clear()
     assert not cli._interrupted(bare)
+
+
+def test_prefect_s_termination_signal_in_the_chain_counts_as_an_interruption():
+    """During a flow run Prefect's own SIGTERM handler is in place: a SIGTERM during a DuckDB query becomes
+    ``RuntimeError('Query interrupted')`` caused by Prefect's TerminationSignal, and our handler never runs (a
+    fresh-clone CI run, stop 40: `evertrain run` exited 1)."""
+    import duckdb
+    from prefect.exceptions import TerminationSignal
+
+    from evertrain import cli
+
+    def prefects(signum, frame):
+        raise TerminationSignal(signum)
+
+    previous = signal.signal(signal.SIGTERM, prefects)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(RuntimeError, match="interrupted") as caught:
+            duckdb.connect().execute("SELECT count(*) FROM range(100000000000) a, range(10) b").fetchall()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert not cli._SIGNALLED  # our handler did not run: only the chain tells
+    assert cli._interrupted(caught.value)
+    assert not cli._interrupted(RuntimeError("Query interrupted"))
