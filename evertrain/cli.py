@@ -826,9 +826,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"evertrain: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return _report_interrupt()
-    except BaseException as error:  # Prefect's TerminationSignal, raised straight out of a flow run
+    except BaseException as error:  # Ctrl-C, SIGTERM, or Prefect's TerminationSignal raised out of a flow run
         if isinstance(error, _signal_types()):
             return _report_interrupt()
         raise
