@@ -26,7 +26,7 @@ def machine() -> dict[str, Any]:
     memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     import torch
 
-    from evertrain.models.policy import cpu_supports_bf16  # which precision samples faster depends on it
+    from evertrain.models.precision import cpu_supports_bf16  # which precision samples faster depends on it
 
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
             "cores": len(os.sched_getaffinity(0)), "memory_gib": memory_gib, "torch": torch.__version__,

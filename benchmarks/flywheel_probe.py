@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from evertrain.config import ModelConfig
 from evertrain.envs import registry
-from evertrain.models.episodes import sample_episodes
-from evertrain.models.policy import encode_chat, load_tokenizer, resolve_base
+from evertrain.inference.episodes import sample_episodes
+from evertrain.inference.local import HFSampler
+from evertrain.models.checkpoint import encode_chat, load_tokenizer, resolve_base
 
 
 def main() -> None:
@@ -38,8 +39,8 @@ def main() -> None:
         prompts = [encode_chat(tokenizer, env.messages(p)) for p in problems]
         for greedy, n in ((True, 1), (False, 4)):
             began = time.time()
-            groups, _ = sample_episodes(model, tokenizer, env, problems, prompts, n, max_new_tokens=args.tokens,
-                                        temperature=0.8, greedy=greedy, seed=1)
+            groups, _ = sample_episodes(HFSampler(model, tokenizer), env, problems, prompts, n,
+                                        max_new_tokens=args.tokens, temperature=0.8, greedy=greedy, seed=1)
             passed = sum(env.verify_transcript(p, e.turns).passed for p, g in zip(problems, groups, strict=True)
                          for e in g)
             total = sum(len(g) for g in groups)

@@ -57,16 +57,12 @@ def sampling_and_update(args: argparse.Namespace, record: dict[str, Any]) -> Non
 
     from evertrain.config import CampaignConfig
     from evertrain.envs import registry
+    from evertrain.inference.backends import open_sampler
+    from evertrain.inference.vllm import Engines
+    from evertrain.models.checkpoint import encode_chat, load_policy, save_checkpoint, write_base_checkpoint
     from evertrain.models.grpo import LossNorm, group_advantages, policy_loss
-    from evertrain.models.policy import (
-        autocast,
-        encode_chat,
-        grouped_logprobs,
-        load_policy,
-        save_checkpoint,
-        write_base_checkpoint,
-    )
-    from evertrain.models.sampler import Engines, open_sampler
+    from evertrain.models.logprobs import grouped_logprobs
+    from evertrain.models.precision import autocast
 
     device = torch.device(args.device)
     base = args.model
@@ -147,7 +143,7 @@ def memory_variant(variant: str, device_name: str, rows: int, length: int, vocab
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from evertrain.models.grpo import LossNorm, policy_loss
-    from evertrain.models.policy import grouped_logprobs
+    from evertrain.models.logprobs import grouped_logprobs
 
     device = torch.device(device_name)
     torch.manual_seed(0)

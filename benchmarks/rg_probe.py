@@ -96,7 +96,8 @@ def probe(domain: str, generator: str, config: dict[str, Any], model: Any, token
           args: argparse.Namespace) -> dict[str, Any]:
     """Sample and grade one domain; a row of the table (``error`` set if the environment cannot be built)."""
     from evertrain.envs import registry
-    from evertrain.models.policy import encode_chat, sample
+    from evertrain.inference.local import sample
+    from evertrain.models.checkpoint import encode_chat
     from evertrain.runtime import seed_for
 
     row: dict[str, Any] = {"domain": domain, "env": f"rg:{generator}", "config": config,
@@ -168,7 +169,8 @@ def main() -> None:
 
     from benchmarks.common import RESULTS, print_table, save
     from evertrain.config import ModelConfig
-    from evertrain.models.policy import load_policy, resolve_base, set_threads, write_base_checkpoint
+    from evertrain.models.checkpoint import load_policy, resolve_base, write_base_checkpoint
+    from evertrain.models.precision import set_threads
 
     set_threads(args.threads)
     base = resolve_base(ModelConfig(path="embedded:smollm2-135m-instruct",

@@ -1,6 +1,6 @@
 """Sampling throughput on this machine: the in-house sampler (float32, bfloat16) against a vLLM engine.
 
-Both backends go through the same :class:`evertrain.models.sampler.Sampler` interface the rollout and
+Both backends go through the same :class:`evertrain.inference.base.Sampler` interface the rollout and
 evaluate stages use, on SmolLM2-135M-Instruct: a rollout of G completions for a batch of `arithmetic`
 prompts, and a greedy evaluation of held-out problems. Reported per backend and precision: completion
 tokens per second, wall and CPU seconds (for vLLM: the engine process and its worker, read from /proc),
@@ -31,7 +31,7 @@ def cpu() -> float:
 
 
 def process_tree_cpu(pid: int) -> float:
-    from evertrain.models.sampler import process_tree_cpu as tree
+    from evertrain.inference.vllm import process_tree_cpu as tree
 
     return tree(pid)
 
@@ -69,9 +69,11 @@ def main() -> None:
     from benchmarks.common import print_table, save
     from evertrain.config import CampaignConfig
     from evertrain.envs import registry
+    from evertrain.inference.backends import open_sampler
+    from evertrain.inference.vllm import Engines
+    from evertrain.models.checkpoint import encode_chat, write_base_checkpoint
     from evertrain.models.convert import convert_smollm2
-    from evertrain.models.policy import encode_chat, set_threads, write_base_checkpoint
-    from evertrain.models.sampler import Engines, open_sampler
+    from evertrain.models.precision import set_threads
 
     set_threads(None)
     base = convert_smollm2(ROOT / "state" / "models" / "SmolLM2-135M-Instruct")

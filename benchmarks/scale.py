@@ -1,9 +1,9 @@
 """Rollout + score throughput on a Ray cluster with 1, 2 and 4 workers, against one process (cluster = none).
 
-The workload goes through the very functions the rollout and score stages call
-(:func:`evertrain.cluster.sample_jobs`, :func:`evertrain.cluster.verify_items`): SmolLM2-135M-Instruct
-with a fresh LoRA adapter (rank 16, all linear layers) as the policy, ``--problems`` arithmetic problems,
-G = ``--group`` completions each, ``--tokens`` new tokens, ``generation.batch_size = --batch`` (so
+The workload goes through the very calls the rollout and score stages make
+(:meth:`evertrain.inference.campaign.Inference.sample_groups`, :class:`evertrain.cluster.Graders`):
+SmolLM2-135M-Instruct with a fresh LoRA adapter (rank 16, all linear layers) as the policy, ``--problems``
+arithmetic problems, G = ``--group`` completions each, ``--tokens`` new tokens, ``generation.batch_size = --batch`` (so
 ``batch // G`` problems per shard). Each worker reserves 1 CPU (one torch thread); the local cluster
 offers workers + 1 logical CPUs (the extra one for grading tasks), whatever the machine has: on a
 2-core machine 4 workers oversubscribe the cores, which is the point of measuring it.
@@ -54,7 +54,7 @@ def lora_checkpoint(directory: Path, base: str) -> Path:
     import torch
 
     from evertrain.config import LoraConfig
-    from evertrain.models.policy import load_policy, save_checkpoint, write_base_checkpoint
+    from evertrain.models.checkpoint import load_policy, save_checkpoint, write_base_checkpoint
 
     base_dir = write_base_checkpoint(directory / "base", base)
     model, _ = load_policy(base_dir, trainable=True, lora=LoraConfig(), finetune="lora", device="cpu")
@@ -67,9 +67,9 @@ def lora_checkpoint(directory: Path, base: str) -> Path:
 
 
 def workload(config: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
-    from evertrain.cluster import SampleJob
     from evertrain.envs import registry
-    from evertrain.models.policy import encode_chat
+    from evertrain.inference.base import SampleJob
+    from evertrain.models.checkpoint import encode_chat
     from evertrain.runtime import seed_for
 
     env = registry.get("arithmetic")
@@ -79,20 +79,26 @@ def workload(config: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
     return problems, [SampleJob("arithmetic", problems, prompts, config.generation.max_new_tokens, seeds=seeds)]
 
 
-def run_once(config: Any, checkpoint: Path, jobs: list[Any], envs: Any, pool: Any = None) -> dict[str, Any]:
-    """Rollout + score of ``jobs`` through the stages' own functions; seconds of each part."""
-    from evertrain.cluster import driver_policy, sample_jobs, verify_items
+def run_once(config: Any, checkpoint: Path, jobs: list[Any], envs: Any, inference: Any,
+             graders: Any = None) -> dict[str, Any]:
+    """Rollout + score of ``jobs`` through the stages' own calls (the campaign's inference, its graders); seconds of
+    each part."""
+    from evertrain.scoring import verify_many
 
     began, cpu0 = time.perf_counter(), sum(os.times()[:4])
-    sampler, tokenizer = driver_policy(config, checkpoint)
+    if inference.pool is None:  # the flow's process holds the model; on a cluster the workers do
+        inference.sampler(checkpoint)
     load_cpu = sum(os.times()[:4]) - cpu0
     loaded = time.perf_counter()
-    outputs, fanout = sample_jobs(config, envs, checkpoint, 2, sampler, tokenizer, jobs, config.group_size,
-                                  cluster=pool)
+    outputs, fanout = inference.sample_groups(checkpoint, 2, jobs, config.group_size)
     sampled = time.perf_counter()
     items = [("arithmetic", p, e.text) for job, (groups, _) in zip(jobs, outputs, strict=True)
              for p, group in zip(job.problems, groups, strict=True) for e in group]
-    verdicts, grading = verify_items(config, envs, items, cluster=pool)
+    if graders is None:
+        verdicts, grading = verify_many([(envs(env), p, text) for env, p, text in items]), {}
+    else:
+        verdicts = graders.verify_many(items)
+        grading = dict(graders.last)
     done = time.perf_counter()
     # CPU seconds of the work itself (this process minus its model load, plus the Ray workers'): unlike wall
     # time, not inflated by other jobs on a shared machine
@@ -152,8 +158,11 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4")
     args = parser.parse_args()
     os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
-    from evertrain.cluster import disconnect_ray, open_cluster
-    from evertrain.models.policy import resolve_base, set_threads
+    from evertrain.cluster import open_graders
+    from evertrain.inference.campaign import Inference
+    from evertrain.inference.ray_workers import disconnect_ray
+    from evertrain.models.checkpoint import resolve_base
+    from evertrain.models.precision import set_threads
     from evertrain.runtime import quiet_libraries
 
     quiet_libraries()
@@ -169,14 +178,14 @@ def main() -> None:
     def envs(name: str) -> Any:
         return envs_cache.setdefault(name, registry.get(name))
 
-    from evertrain.models.policy import load_tokenizer
+    from evertrain.models.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(base)
     _, jobs = workload(reference, tokenizer)
     rows: list[dict[str, Any]] = []
 
     print("cluster = none (one process, 1 torch thread) ...", flush=True)
-    none = run_once(reference, checkpoint, jobs, envs)
+    none = run_once(reference, checkpoint, jobs, envs, Inference(reference, envs))
     rows.append({"cluster": "none", "workers": 0, **{k: v for k, v in none.items()
                                                      if k not in ("outputs", "verdicts")}})
     writes = driver_write_rate(directory, reference, jobs, none["outputs"], none["verdicts"], tokenizer)
@@ -187,21 +196,23 @@ def main() -> None:
         config = campaign(directory, args, cluster)
         print(f"Ray, {workers} worker(s) ...", flush=True)
         began = time.perf_counter()
-        pool = open_cluster(config)
+        inference = Inference(config, envs)
+        assert inference.pool is not None  # the workers started
+        graders = open_graders(config)
         started = time.perf_counter() - began
-        assert pool is not None
-        warm = run_once(config, checkpoint, jobs, envs, pool)  # workers load the adapter: the object-store hand-off
+        # workers load the adapter: the object-store hand-off
+        warm = run_once(config, checkpoint, jobs, envs, inference, graders)
         if workers == 1:
             handoff = {"kind": "lora", "via": "ray object store", "bytes": warm["cluster_handoff_bytes"],
                        "pack_put_s": warm["cluster_handoff_put_s"], "worker_load_s": warm["cluster_load_s"]}
-        timed = run_once(config, checkpoint, jobs, envs, pool)
+        timed = run_once(config, checkpoint, jobs, envs, inference, graders)
         same = all(a.completion_ids == b.completion_ids for (ga, _), (gb, _) in zip(
             timed["outputs"], none["outputs"], strict=True) for x, y in zip(ga, gb, strict=True)
             for a, b in zip(x, y, strict=True))
         rows.append({"cluster": "local", "workers": workers, "ray_start_s": started, "warmup_s": warm["seconds"],
                      "same_completions_as_none": same,
                      **{k: v for k, v in timed.items() if k not in ("outputs", "verdicts")}})
-        pool.shutdown()
+        inference.close()
         disconnect_ray()  # each pool size on a Ray of its own size (num_cpus)
     for row in rows:
         row["completions_per_s"] = row["completions"] / row["seconds"]

@@ -299,7 +299,8 @@ def warm_start(config: Any, env: Any, train: list[Any], model: Any, tokenizer: A
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from evertrain.models.policy import encode_chat, sample
+    from evertrain.inference.local import sample
+    from evertrain.models.checkpoint import encode_chat
     from evertrain.tasks.sft import bare_chat
 
     cfg, G = config.sft, config.group_size
@@ -356,7 +357,8 @@ def train_trl(args: argparse.Namespace, scratch: Path, out: Path, base_model: st
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from evertrain.models.policy import MANIFEST, load_tokenizer, set_threads
+    from evertrain.models.checkpoint import MANIFEST, load_tokenizer
+    from evertrain.models.precision import set_threads
 
     set_threads(config.torch_threads)
     env = arithmetic_env(config)
@@ -494,7 +496,7 @@ class Evaluator:
     def __init__(self, config: Any, n: int, dtype: str, split: str = "test") -> None:
         import torch
 
-        from evertrain.models.policy import set_threads
+        from evertrain.models.precision import set_threads
 
         set_threads(config.torch_threads)
         self.config, self.dtype = config, getattr(torch, dtype)
@@ -508,7 +510,7 @@ class Evaluator:
     @staticmethod
     def key(checkpoint: str) -> str:
         """What identifies a checkpoint's answers: the base model's path, or the checkpoint's own."""
-        from evertrain.models.policy import read_manifest
+        from evertrain.models.checkpoint import read_manifest
 
         manifest = read_manifest(checkpoint)
         return f"base:{manifest['base_model']}" if manifest["kind"] == "base" else str(Path(checkpoint).resolve())
@@ -520,7 +522,8 @@ class Evaluator:
             return self.cache[key]
         import numpy as np
 
-        from evertrain.models.policy import encode_chat, load_policy, sample
+        from evertrain.inference.local import sample
+        from evertrain.models.checkpoint import encode_chat, load_policy
 
         began, wall = cpu_seconds(), time.perf_counter()
         model, tokenizer = load_policy(checkpoint, dtype=self.dtype, device="cpu")
@@ -1030,7 +1033,8 @@ def main() -> None:
 
     quiet_libraries()
     from benchmarks.common import machine, save
-    from evertrain.models.policy import resolve_base, sampling_dtype, write_base_checkpoint
+    from evertrain.models.checkpoint import resolve_base, write_base_checkpoint
+    from evertrain.models.precision import sampling_dtype
 
     args.seed = seeds[0]
     config = campaign_config(args, scratch)

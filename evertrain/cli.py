@@ -56,7 +56,7 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
-    from evertrain.flows.campaign import campaign_flow_in
+    from evertrain.flows.campaign import run_campaign_flow
     from evertrain.report import iteration_report, render_table
     from evertrain.runtime import Runtime
 
@@ -74,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # at once and left that server running without its parent)
     signal.signal(signal.SIGTERM, _interrupt)
     with Runtime.open(config) as rt:
-        done = campaign_flow_in(rt)(config, args.iterations)
+        done = run_campaign_flow(rt, args.iterations)
         rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
         render_table(rows, f"campaign {config.name}")
         if share_line(rows):
@@ -795,7 +795,7 @@ def cmd_endpoint(args: argparse.Namespace) -> int:
 
 # the errors that mean bad input (a config, a store, a model path, an environment): one line, exit status 2
 INPUT_ERRORS = {"evertrain.config": "ConfigError", "evertrain.data.store": "StoreError",
-                "evertrain.envs.registry": "UnknownEnvironment", "evertrain.models.policy": "ModelError",
+                "evertrain.envs.registry": "UnknownEnvironment", "evertrain.models": "ModelError",
                 "evertrain.runtime": "EnvironmentInvalid"}
 
 

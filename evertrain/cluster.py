@@ -1,229 +1,33 @@
-"""Rollouts, grading and evaluation fanned out over a Ray cluster (``[cluster]`` in the campaign config).
+"""Grading fanned out over a Ray cluster (``[cluster]`` in the campaign config).
 
-With ``cluster.address = "none"`` nothing here runs: every stage samples and grades in the flow's own
-process. Otherwise:
+With ``cluster.address = "none"`` nothing here runs: every stage grades in the flow's own process. Otherwise
+grading runs in Ray tasks, each calling the environment's verifier on the node that runs it, so a sandboxed
+verifier still runs under bubblewrap there (a node without bwrap refuses, as one process does). Grading is
+deterministic, so Ray's own task retries on a lost worker or node cannot change a reward; the tasks are spread
+over the nodes. Verdicts come back to the flow's process, which writes the store.
 
-- **Rollout workers** are Ray actors, each holding one sampler of the configured rollout backend
-  (``generation.backend``: the in-house sampler, or a vLLM engine of the worker's own). A worker is told
-  which policy version to sample from, by content hash; it loads that version once and keeps it until
-  told another.
-- **Shards.** The groups of a stage are cut into shards, per environment, at exactly the boundaries the
-  in-process sampler cuts its batches at (``generation.batch_size // G`` problems), and every group is
-  seeded by (campaign seed, iteration, problem), never by its position. So, with a backend that honours
-  per-request seeds (its declared capabilities), a shard computes bit for bit what the same batch computes
-  in one process, and rows equal those of ``cluster = none``; a backend that does not is warned of at start.
-- **Results come back to the flow's process**, which writes the store exactly as before: one transaction
-  per stage, the same rerun keys, the same crash safety. Workers never open the store (DuckDB admits one
-  writer process, and the flow is it).
-- **A worker that dies** (its process killed, its node lost) is replaced by a fresh actor and the shard it
-  held is submitted again; a shard's result is kept once, by shard index, so no group appears twice.
-- **Grading** runs in Ray tasks, each calling the environment's verifier on the node that runs it, so a
-  sandboxed verifier still runs under bubblewrap there (a node without bwrap refuses, as one process does).
-  Grading is deterministic, so Ray's own task retries on a lost worker cannot change a reward.
-- **Weight hand-off.** A checkpoint travels through Ray's object store: the driver reads the checkpoint
-  folder's files (for a LoRA version: the adapter, a few MB, and its manifest) into one object, ``ray.put``
-  once per version, and a worker writes them to a local temporary folder and loads them. The base model is
-  referenced by its path, as in every checkpoint: it must exist at that path on every node (a shared or
-  identically provisioned path), and is read once per worker, not per version.
-
-We build on Ray's scheduler (actors, tasks, ``ray.wait``) rather than on a scheduler of our own; the only
-logic here is which shard goes to which idle worker and what to do when one dies. ``prefect-ray``'s
-``RayTaskRunner`` is not used for the stages themselves: a stage must write the store from the flow's
-process and the samplers must stay loaded between calls, which actors give and Prefect tasks do not.
+Sampling on the cluster is inference's (:mod:`evertrain.inference.ray_workers`, the rollout workers); both share
+one Ray connection (:func:`~evertrain.inference.ray_workers.connect_ray`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import tempfile
-import threading
-import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from evertrain.config import CampaignConfig, ClusterConfig
-from evertrain.envs.base import Environment, Problem, Verdict
+import ray
 
-if TYPE_CHECKING:
-    from evertrain.models.sampler import Engines
-
-# Test-only fault injection: ``EVERTRAIN_KILL_WORKER_AT=<stage>:<shard>`` makes the worker that first
-# receives that shard SIGKILL its own process after sampling it, before answering (read by the driver).
-KILL_WORKER_ENV = "EVERTRAIN_KILL_WORKER_AT"
-
-
-class ClusterError(RuntimeError):
-    """A Ray cluster that cannot run the stage (cannot connect, too few resources, workers keep dying)."""
-
-
-# --- what travels --------------------------------------------------------------------------------------
-
-@dataclass
-class Shard:
-    """Consecutive groups of one environment: the unit a worker samples in one call."""
-
-    index: int
-    job: int  # which job (environment batch) of the call it belongs to
-    offset: int  # position of its first problem within the job
-    env: str
-    problems: list[Problem]
-    prompts: list[list[int]]
-    seeds: list[int] | None
-    max_new_tokens: int
-
-
-@dataclass
-class SampleJob:
-    """One environment's problems for one sampling call (what ``sample_episodes`` takes)."""
-
-    env: str
-    problems: list[Problem]
-    prompts: list[list[int]]
-    max_new_tokens: int
-    seeds: list[int] | None = None
-    seed: int = 0
-
-
-@dataclass
-class PackedCheckpoint:
-    """A checkpoint folder's files, to be rebuilt on a worker: the LoRA hand-off through the object store."""
-
-    version: int
-    key: str  # which checkpoint this is (see ``checkpoint_key``): version numbers repeat across campaigns
-    files: dict[str, bytes] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(b) for b in self.files.values())
-
-
-def checkpoint_key(path: str | Path, version: int) -> str:
-    """Identity of a checkpoint folder: its content hash (``checkpoint_digest``), as in the vLLM engine.
-
-    Not its path, version number or file times: an update rerun in place rewrites the same folder with new
-    weights (a new key: workers load them), and the same weights under another name need no new load.
-    """
-    from evertrain.models.policy import checkpoint_digest
-
-    root = Path(path)
-    if not root.is_dir():
-        raise ClusterError(f"checkpoint folder {root} of version {version} does not exist")
-    return checkpoint_digest(root)
-
-
-def pack_checkpoint(path: str | Path, version: int) -> PackedCheckpoint:
-    """Every file of a checkpoint folder (a base checkpoint is only its manifest; a LoRA one its adapter)."""
-    root = Path(path)
-    key = checkpoint_key(root, version)
-    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-    return PackedCheckpoint(version=version, key=key, files=files)
-
-
-def unpack_checkpoint(packed: PackedCheckpoint, into: Path) -> Path:
-    dest = into / f"version-{packed.version}"
-    for name, data in packed.files.items():
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    return dest
-
-
-def plan_shards(jobs: list[SampleJob], n: int, batch_size: int) -> list[Shard]:
-    """Cut every job into shards of ``batch_size // n`` problems: the in-process sampler's own batches."""
-    per_chunk = max(1, batch_size // n)
-    shards: list[Shard] = []
-    for j, job in enumerate(jobs):
-        for start in range(0, len(job.problems), per_chunk):
-            end = start + per_chunk
-            shards.append(Shard(
-                index=len(shards), job=j, offset=start, env=job.env, problems=job.problems[start:end],
-                prompts=job.prompts[start:end], seeds=None if job.seeds is None else job.seeds[start:end],
-                max_new_tokens=job.max_new_tokens))
-    return shards
-
-
-# --- the worker ----------------------------------------------------------------------------------------
-
-class RolloutWorker:
-    """A Ray actor holding one sampler: the policy version it was last told to load, and its tokenizer."""
-
-    def __init__(self, threads: int, config_json: str) -> None:
-        from evertrain.quiet import quiet_libraries
-
-        quiet_libraries()
-        os.environ["EVERTRAIN_PROGRESS"] = "0"
-        import torch
-
-        torch.set_num_threads(threads)  # the CPUs this actor reserved, not every core of the node
-        self.config = CampaignConfig.model_validate_json(config_json)
-        self.env_options = {spec.name: dict(spec.options) for spec in self.config.environments}
-        self.key: str | None = None  # the checkpoint held (see ``checkpoint_key``)
-        self.sampler: Any = None  # the in-house sampler, or a vLLM engine's (generation.backend)
-        from evertrain.models.sampler import Engines
-
-        self.engines = Engines()  # this worker's vLLM engine, stopped with the worker's process
-        self.envs: dict[str, Environment] = {}
-        self.scratch = Path(tempfile.mkdtemp(prefix="evertrain-worker-"))
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def load(self, packed: PackedCheckpoint) -> float:
-        """Load ``packed`` unless it is the checkpoint already held; returns the seconds it took."""
-        if packed.key == self.key:
-            return 0.0
-        import shutil
-
-        from evertrain.models.sampler import open_sampler
-
-        began = time.perf_counter()
-        if self.sampler is not None and self.sampler.capabilities.weights_in_process:
-            self.sampler = None  # free the old version before the new one is built
-        folder = unpack_checkpoint(packed, self.scratch / packed.key[:16])
-        # the same sampler the flow's process would open, from the checkpoint rebuilt on this node
-        self.sampler, _ = open_sampler(self.config, folder, self.engines)
-        for old in self.scratch.iterdir():  # keep only the version now held (a vLLM engine may read it again)
-            if old.name != packed.key[:16]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.key = packed.key
-        return time.perf_counter() - began
-
-    def sample(self, key: str, packed: list[Any], shard: Shard, n: int, options: dict[str, Any],
-               die: bool = False) -> dict[str, Any]:
-        """Sample ``n`` episodes for every problem of ``shard`` with the checkpoint ``key``."""
-        import ray
-
-        from evertrain.envs import registry
-        from evertrain.models.episodes import sample_episodes
-
-        cpu0 = time.process_time()
-        load_s = 0.0
-        if key != self.key:
-            # the checkpoint is wrapped in a list so Ray hands over its reference, fetched only when needed
-            load_s = self.load(ray.get(packed[0]))
-        if shard.env not in self.envs:
-            self.envs[shard.env] = registry.get(shard.env, **self.env_options.get(shard.env, {}))
-        began = time.perf_counter()
-        groups, stats = sample_episodes(
-            self.sampler, self.sampler.tokenizer, self.envs[shard.env], shard.problems, shard.prompts, n,
-            max_new_tokens=shard.max_new_tokens, seeds=shard.seeds, **options)
-        if die:  # fault injection (tests): the process dies with the shard sampled but not handed back
-            os.kill(os.getpid(), signal.SIGKILL)
-        return {"index": shard.index, "groups": groups, "stats": stats, "load_s": load_s,
-                "sample_s": time.perf_counter() - began, "cpu_s": time.process_time() - cpu0, "pid": os.getpid()}
+from evertrain.config import CampaignConfig
+from evertrain.envs import registry
+from evertrain.envs.base import Problem, Verdict
+from evertrain.inference.ray_workers import connect_ray
+from evertrain.quiet import quiet_libraries
+from evertrain.scoring import verify_many
 
 
 def _grade(items: list[tuple[str, Problem, str]], env_options: dict[str, dict[str, Any]],
-           threads: int) -> tuple[list[Verdict], float, int]:
+           threads: int) -> tuple[list[Verdict], float, int, str]:
     """A Ray task: verdicts for (environment name, problem, completion) items, graded on this node."""
-    from evertrain.envs import registry
-    from evertrain.quiet import quiet_libraries
-    from evertrain.scoring import verify_many
-
     quiet_libraries()
     t0 = os.times()
     envs = {name: registry.get(name, **env_options.get(name, {})) for name in {env for env, _, _ in items}}
@@ -231,272 +35,54 @@ def _grade(items: list[tuple[str, Problem, str]], env_options: dict[str, dict[st
     t1 = os.times()
     # this process's CPU and that of its finished children (the sandboxed graders)
     cpu = sum(t1[:4]) - sum(t0[:4])
-    return verdicts, cpu, os.getpid()
+    return verdicts, cpu, os.getpid(), ray.get_runtime_context().get_node_id()
 
 
-# --- the driver side -----------------------------------------------------------------------------------
-
-@dataclass
-class FanOutStats:
-    """What one fanned-out call cost, summed over workers."""
-
-    shards: int = 0
-    workers_used: int = 0  # distinct worker processes that returned a shard
-    workers_replaced: int = 0
-    load_s: float = 0.0
-    worker_cpu_s: float = 0.0
-    handoff_bytes: int = 0
-    handoff_put_s: float = 0.0
-    grade_tasks: int = 0
-    grade_processes: int = 0  # distinct Ray worker processes that graded
-
-    def metrics(self, prefix: str = "") -> dict[str, float]:
-        return {f"{prefix}{k}": float(v) for k, v in self.__dict__.items()}
-
-
-class Cluster:
-    """A connection to a Ray cluster and the pool of rollout workers this process started on it."""
+class Graders:
+    """Grading in Ray tasks on ``campaign``'s cluster (connected on :meth:`start`)."""
 
     def __init__(self, campaign: CampaignConfig) -> None:
-        self.campaign = campaign  # what workers build their sampler and environments from
-        self.config: ClusterConfig = campaign.cluster
+        self.campaign = campaign
+        self.config = campaign.cluster
         self.env_options = {spec.name: dict(spec.options) for spec in campaign.environments}
-        self.workers: list[Any] = []
-        self._packed: dict[str, Any] = {}  # checkpoint key -> object ref of its packed checkpoint
-        self._lock = threading.Lock()  # one fan-out at a time (async mode calls from two threads)
-        self._remote_worker: Any = None
-        self._remote_grade: Any = None
-        self.last = FanOutStats()
-        self.history: list[tuple[str | None, FanOutStats]] = []  # (stage, stats) of every sampling fan-out
-
-    # connection and workers
+        self._remote: Any = None
+        self.last: dict[str, float] = {}  # the last call's metrics
 
     def start(self) -> None:
-        import ray
-
-        cfg = self.config
-        if not ray.is_initialized():
-            try:
-                if cfg.address == "local":
-                    ray.init(num_cpus=cfg.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
-                             log_to_driver=False, configure_logging=False)
-                else:
-                    ray.init(address=cfg.address, log_to_driver=False, configure_logging=False)
-            except (ConnectionError, ValueError, RuntimeError) as error:
-                raise ClusterError(f"cannot connect to the Ray cluster at cluster.address = {cfg.address!r}: "
-                                   f"{error}") from None
-        need = cfg.workers * cfg.cpus_per_worker + cfg.grade_cpus
-        have = ray.cluster_resources().get("CPU", 0.0)
-        if have < need:
-            raise ClusterError(
-                f"the Ray cluster offers {have:g} CPUs, but cluster.workers x cluster.cpus_per_worker "
-                f"({cfg.workers} x {cfg.cpus_per_worker:g}) plus cluster.grade_cpus ({cfg.grade_cpus:g}) "
-                f"need {need:g}: rollout workers hold their CPUs, so grading would never be scheduled")
-        if cfg.gpus_per_worker and ray.cluster_resources().get("GPU", 0.0) < cfg.workers * cfg.gpus_per_worker:
-            raise ClusterError(f"the Ray cluster has {ray.cluster_resources().get('GPU', 0.0):g} GPUs, fewer than "
-                               f"cluster.workers x cluster.gpus_per_worker = {cfg.workers * cfg.gpus_per_worker:g}")
-        self._remote_worker = ray.remote(RolloutWorker).options(
-            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker, max_restarts=0)
-        self._remote_grade = ray.remote(_grade).options(num_cpus=cfg.grade_cpus, max_retries=3)
-        while len(self.workers) < cfg.workers:
-            self.workers.append(self._spawn())
-
-    def _spawn(self) -> Any:
-        threads = max(1, round(self.config.cpus_per_worker))
-        return self._remote_worker.remote(threads, self.campaign.model_dump_json())
-
-    def shutdown(self) -> None:
-        import ray
-
-        for worker in self.workers:
-            ray.kill(worker)
-        self.workers.clear()
-        self._packed.clear()
-
-    def _checkpoint_ref(self, version: int, checkpoint: str | Path) -> tuple[str, Any]:
-        import ray
-
-        key = checkpoint_key(checkpoint, version)
-        if key not in self._packed:
-            began = time.perf_counter()
-            packed = pack_checkpoint(checkpoint, version)
-            # only the newest checkpoint stays in the object store; an older one is put again if asked for
-            self._packed = {key: ray.put(packed)}
-            self.last.handoff_bytes += packed.nbytes
-            self.last.handoff_put_s += time.perf_counter() - began
-        return key, self._packed[key]
-
-    # sampling
-
-    def sample_jobs(self, checkpoint: str | Path, version: int, jobs: list[SampleJob], n: int, *,
-                    batch_size: int, progress: Any = None, **options: Any) -> list[tuple[list[list[Any]], Any]]:
-        """(groups, SamplingStats) per job, as ``sample_episodes`` would return them, sampled by the workers."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        from evertrain import faults
-        from evertrain.models.policy import SamplingStats
-
-        with self._lock:
-            self.last = FanOutStats()
-            key, ref = self._checkpoint_ref(version, checkpoint)
-            shards = plan_shards(jobs, n, batch_size)
-            self.last.shards = len(shards)
-            options = {**options, "batch_size": batch_size}
-            kill = os.environ.get(KILL_WORKER_ENV, "")
-            doomed = {int(kill.split(":")[1])} if kill.startswith(f"{faults.current_stage.get()}:") else set()
-            pending = deque(shards)
-            idle = list(range(len(self.workers)))
-            running: dict[Any, tuple[int, Shard]] = {}
-            results: dict[int, dict[str, Any]] = {}
-            pids: set[int] = set()
-            while pending or running:
-                while pending and idle:
-                    slot, shard = idle.pop(0), pending.popleft()
-                    die = shard.index in doomed
-                    doomed.discard(shard.index)  # only the first attempt dies: its replacement must finish
-                    call = self.workers[slot].sample.remote(key, [ref], shard, n, options, die)
-                    running[call] = (slot, shard)
-                done, _ = ray.wait(list(running), num_returns=1)
-                for call in done:
-                    slot, shard = running.pop(call)
-                    try:
-                        out = ray.get(call)
-                    except RayActorError as error:
-                        self.last.workers_replaced += 1
-                        if self.last.workers_replaced > self.config.max_worker_restarts:
-                            raise ClusterError(
-                                f"rollout workers died {self.last.workers_replaced} times in one stage (more than "
-                                f"cluster.max_worker_restarts = {self.config.max_worker_restarts}): {error}") from None
-                        self.workers[slot] = self._spawn()
-                        pending.appendleft(shard)  # redone from scratch by the replacement
-                        idle.append(slot)
-                        continue
-                    results.setdefault(out["index"], out)  # one result per shard, however often it ran
-                    self.last.load_s += out["load_s"]
-                    self.last.worker_cpu_s += out["cpu_s"]
-                    pids.add(out["pid"])
-                    self.last.workers_used = len(pids)
-                    if progress is not None:
-                        progress.update(len(shard.problems) * n)
-                    idle.append(slot)
-        self.history.append((faults.current_stage.get(), self.last))
-        outputs: list[tuple[list[list[Any]], Any]] = [([], SamplingStats()) for _ in jobs]
-        for shard in shards:
-            out = results[shard.index]
-            groups, stats = outputs[shard.job]
-            groups += out["groups"]
-            stats.merge(out["stats"])
-        return outputs
-
-    # grading
+        connect_ray(self.campaign)
+        self._remote = ray.remote(_grade).options(num_cpus=self.config.grade_cpus, max_retries=3,
+                                                  scheduling_strategy="SPREAD")
 
     def verify_many(self, items: list[tuple[str, Problem, str]], progress: Any = None) -> list[Verdict]:
         """Verdicts for (environment name, problem, completion) items, in input order, graded in Ray tasks."""
-        import ray
-
+        self.last = {"cluster_grade_cpu_s": 0.0, "cluster_grade_tasks": 0, "cluster_grade_processes": 0}
         if not items:
             return []
         per_task = max(1, -(-len(items) // (4 * self.config.workers)))
         threads = max(1, round(self.config.grade_cpus * 2))  # verifiers mostly wait on sandboxed subprocesses
-        calls = [self._remote_grade.remote(items[i:i + per_task], self.env_options, threads)
+        calls = [self._remote.remote(items[i:i + per_task], self.env_options, threads)
                  for i in range(0, len(items), per_task)]
         verdicts: list[Verdict] = []
         cpu = 0.0
         pids: set[int] = set()
+        nodes: set[str] = set()
         for call in calls:  # in order: the verdicts line up with the items
-            part, seconds, pid = ray.get(call)
+            part, seconds, pid, node = ray.get(call)
             verdicts += part
             cpu += seconds
             pids.add(pid)
+            nodes.add(node)
             if progress is not None:
                 progress.update(len(part))
-        self.last.worker_cpu_s += cpu
-        self.last.grade_tasks = len(calls)
-        self.last.grade_processes = len(pids - {os.getpid()})
+        self.last = {"cluster_grade_cpu_s": cpu, "cluster_grade_tasks": len(calls),
+                     "cluster_grade_processes": len(pids - {os.getpid()}), "cluster_grade_nodes": len(nodes)}
         return verdicts
 
 
-def open_cluster(config: CampaignConfig) -> Cluster | None:
-    """A started cluster for ``config`` (None when ``cluster.address = "none"``): its workers belong to the caller
-    (a campaign's context opens one on first use), who stops them with :meth:`Cluster.shutdown`."""
+def open_graders(config: CampaignConfig) -> Graders | None:
+    """Started graders for ``config`` (None when ``cluster.address = "none"``)."""
     if not config.cluster.enabled:
         return None
-    cluster = Cluster(config)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.shutdown()
-        raise
-    return cluster
-
-
-def disconnect_ray() -> None:
-    """Disconnect this process from Ray (the connection Ray keeps per process; tests, benchmarks, an exit)."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-def _needs_cluster(config: CampaignConfig) -> ClusterError:
-    return ClusterError(f"cluster.address = {config.cluster.address!r}: pass the campaign's cluster (rt.cluster, "
-                        "or open_cluster(config), which the caller shuts down)")
-
-
-def sample_jobs(config: CampaignConfig, env_of: Callable[[str], Environment], checkpoint: str | Path, version: int,
-                model: Any, tokenizer: Any, jobs: list[SampleJob], n: int, *, greedy: bool = False,
-                progress: Any = None, cluster: Cluster | None = None,
-                ) -> tuple[list[tuple[list[list[Any]], Any]], dict[str, float]]:
-    """(groups, stats) per job: in this process with ``model`` (cluster none) or on ``cluster``'s workers.
-
-    Returns also the fan-out's own metrics (empty without a cluster).
-    """
-    from evertrain.models.episodes import sample_episodes
-
-    gen = config.generation
-    options: dict[str, Any] = {"greedy": greedy} if greedy else {"temperature": gen.temperature, "top_p": gen.top_p}
-    if cluster is None and config.cluster.enabled:
-        raise _needs_cluster(config)
-    if cluster is None:
-        outputs = [sample_episodes(model, tokenizer, env_of(job.env), job.problems, job.prompts, n,
-                                   max_new_tokens=job.max_new_tokens, batch_size=gen.batch_size, seed=job.seed,
-                                   seeds=job.seeds, progress=progress, **options)
-                   for job in jobs]
-        return outputs, {}
-    if any(job.seeds is None for job in jobs) and not greedy:
-        # one generator per call would make a shard's draws depend on how the call was cut
-        raise ClusterError("sampling on a cluster needs one seed per problem (SampleJob.seeds)")
-    outputs = cluster.sample_jobs(checkpoint, version, jobs, n, batch_size=gen.batch_size, progress=progress,
-                                  **options)
-    return outputs, cluster.last.metrics("cluster_")
-
-
-def verify_items(config: CampaignConfig, env_of: Callable[[str], Environment], items: list[tuple[str, Problem, str]],
-                 progress: Any = None, cluster: Cluster | None = None) -> tuple[list[Verdict], dict[str, float]]:
-    """Verdicts for (environment name, problem, completion) items: here, or in Ray tasks on the cluster."""
-    from evertrain.scoring import verify_many
-
-    if cluster is None and config.cluster.enabled:
-        raise _needs_cluster(config)
-    if cluster is None:
-        return verify_many([(env_of(env), problem, text) for env, problem, text in items], progress=progress), {}
-    cluster.last = FanOutStats()
-    verdicts = cluster.verify_many(items, progress=progress)
-    return verdicts, {"cluster_grade_cpu_s": cluster.last.worker_cpu_s, "cluster_grade_tasks": cluster.last.grade_tasks,
-                      "cluster_grade_processes": cluster.last.grade_processes}
-
-
-def driver_policy(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None) -> tuple[Any, Any]:
-    """(sampler, tokenizer) for the flow's process: on a cluster only the tokenizer (workers hold the model).
-
-    The sampler follows ``generation.backend`` (the in-house sampler, or a vLLM engine of ``engines``, the
-    campaign context's, started once and kept); its weight hand-off is counted in the stage's ``weight_sync_s``.
-    """
-    from evertrain.models.policy import load_tokenizer, read_manifest
-    from evertrain.models.sampler import open_sampler
-
-    if config.cluster.enabled:
-        return None, load_tokenizer(read_manifest(checkpoint)["base_model"])
-    sampler, _ = open_sampler(config, checkpoint, engines)
-    return sampler, sampler.tokenizer
+    graders = Graders(config)
+    graders.start()
+    return graders

@@ -502,7 +502,8 @@ def turn_limit_top(env: Environment, config: CampaignConfig) -> tuple[int, str |
     key = (config.model.path, config.model.models_dir, config.max_new_tokens(env.name), config.seed)
     cache = vars(env).setdefault("_curriculum_reach", {})
     if key not in cache:
-        from evertrain.models.policy import ModelError, load_tokenizer, resolve_base
+        from evertrain.models import ModelError
+        from evertrain.models.checkpoint import load_tokenizer, resolve_base
         from evertrain.runtime import seed_for
 
         try:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evertrain.models.policy import ModelError
+from evertrain.models import ModelError
 from evertrain.runtime import Runtime
 
 # what the served model needs; listing it skips MLflow's requirement inference, which loads the model in a
@@ -31,7 +31,7 @@ def export(rt: Runtime, out: Path, version: int | None = None, log_to_mlflow: bo
     """Export ``version`` (default: the champion) of ``rt``'s campaign to ``out``; returns what was written."""
     import torch
 
-    from evertrain.models.policy import load_policy, read_manifest
+    from evertrain.models.checkpoint import load_policy, read_manifest
 
     if version is None:
         version = rt.store.champion_history(rt.campaign)[0]  # the store's lineage, not MLflow's projection of it

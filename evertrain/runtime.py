@@ -10,20 +10,25 @@ connection by accident and a closed campaign leaves no file open behind it.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from evertrain.config import CampaignConfig
-from evertrain.data.store import Store, StoreError
+from evertrain.data.store import Store, StoreError, now, to_json
 from evertrain.envs import registry
-from evertrain.envs.base import Environment
+from evertrain.envs.base import Environment, Problem, Verdict
+from evertrain.envs.quality import SELFTEST_VERSION, validate
+from evertrain.inference.campaign import Inference
+from evertrain.inference.vllm import Engines
+from evertrain.models.checkpoint import resolve_base, write_base_checkpoint
+from evertrain.models.precision import set_threads
+from evertrain.portable import portable, resolve_under
 from evertrain.quiet import quiet_libraries
+from evertrain.scoring import verify_many
 from evertrain.tracking import Tracker
-
-if TYPE_CHECKING:
-    from evertrain.models.sampler import Engines
 
 
 class EnvironmentInvalid(RuntimeError):
@@ -38,8 +43,9 @@ def seed_for(*parts: Any) -> int:
 
 class Runtime:
     """A campaign's context. ``Runtime.open(config)`` opens (and owns) a store connection; constructed
-    directly from a store, it only borrows it (the endpoint's, which the endpoint closes). Likewise its vLLM
-    engines: started by the context and stopped with it, or lent (``engines=``) and left running."""
+    directly from a store, it only borrows it (the endpoint's, which the endpoint closes). It holds the campaign's
+    one :class:`~evertrain.inference.campaign.Inference` (``rt.inference``), which stops what it started when the
+    context closes; vLLM engines lent to it (``engines=``) are left running."""
 
     # A plain class, not a dataclass: Prefect records a subflow's parameters with FastAPI's jsonable_encoder,
     # which deep-copies a dataclass whole; this one's encoding fails at its store connection, and Prefect
@@ -55,10 +61,9 @@ class Runtime:
         self._base_model: str | None = None
         self._owns_store = owns_store
         self._closed = False
-        self._cluster: Any = None  # evertrain.cluster.Cluster, started on first use (cluster.address not "none")
-        # the vLLM engines this context samples on: lent by the caller, else started here on first use
-        self._engines: Engines | None = engines
-        self._owns_engines = engines is None
+        # every way the campaign samples (in this process, on vLLM engines, on Ray workers), started on first use
+        self.inference = Inference(config, self.env, engines=engines)
+        self._graders: Any = None  # evertrain.cluster.Graders, started on first use (cluster.address not "none")
         self._lock = threading.Lock()  # stages of two iterations may run at once (update.mode = "async")
 
     @classmethod
@@ -71,8 +76,6 @@ class Runtime:
         by content, so contexts may share one and each is spared an engine start (minutes on a small CPU).
         """
         quiet_libraries()
-        from evertrain.models.policy import set_threads
-
         set_threads(config.torch_threads)
         store = Store(config.paths.store)
         try:
@@ -84,52 +87,42 @@ class Runtime:
         return cls(config=config, store=store, tracker=Tracker(config), owns_store=True, engines=engines)
 
     @property
-    def cluster(self) -> Any:
-        """The campaign's Ray cluster (``evertrain.cluster.Cluster``), its workers started on first use; None when
-        ``cluster.address = "none"``. Its workers are stopped when this context closes."""
+    def graders(self) -> Any:
+        """The campaign's grading on its Ray cluster (``evertrain.cluster.Graders``), connected on first use; None
+        when ``cluster.address = "none"``."""
         with self._lock:
-            if self._cluster is None and self.config.cluster.enabled:
+            if self._graders is None and self.config.cluster.enabled:
                 self._check_open()
-                from evertrain.cluster import open_cluster
+                # late on purpose: importing Ray costs about 2 CPU-seconds, paid only by a campaign on a cluster
+                from evertrain.cluster import open_graders
 
-                self._cluster = open_cluster(self.config)
-            return self._cluster
+                self._graders = open_graders(self.config)
+            return self._graders
 
-    @property
-    def engines(self) -> Engines:
-        """The vLLM engines this context's stages sample on (``evertrain.models.sampler.Engines``): the lent ones,
-        else started on first use, kept across stages and iterations, and stopped when this context closes."""
-        with self._lock:
-            if self._engines is None:
-                self._check_open()
-                from evertrain.models.sampler import Engines
-
-                self._engines = Engines()
-            return self._engines
-
-    @property
-    def started_engines(self) -> Engines | None:
-        """This context's vLLM engines if any stage asked for one, or the lent ones (None: none; asking starts
-        nothing)."""
-        return self._engines
+    def grade(self, items: list[tuple[str, Problem, str]], progress: Any = None,
+              ) -> tuple[list[Verdict], dict[str, float]]:
+        """Verdicts for (environment name, problem, completion) items, in order: in this process, or in Ray tasks
+        on the campaign's cluster; and the cluster's grading metrics (empty in this process)."""
+        graders = self.graders
+        if graders is None:
+            return verify_many([(self.env(env), problem, text) for env, problem, text in items], progress=progress), {}
+        verdicts = graders.verify_many(items, progress=progress)
+        return verdicts, dict(graders.last)
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError(f"the context of campaign {self.campaign!r} is closed: open another (Runtime.open)")
 
     def close(self) -> None:
-        """Close what this context opened: its cluster's workers, its vLLM engines (not lent ones), and its store
-        connection (which releases its campaign claim)."""
+        """Close what this context opened: what its inference started (Ray workers, vLLM engines but lent ones),
+        and its store connection (which releases its campaign claim)."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._cluster is not None:
-                self._cluster.shutdown()
-            if self._engines is not None and self._owns_engines:
-                self._engines.close()
+            self.inference.close()
         finally:
-            self._cluster = self._engines = None
+            self._graders = None
             if self._owns_store:
                 self.store.close()
 
@@ -160,8 +153,6 @@ class Runtime:
     @property
     def base_model(self) -> str:
         if self._base_model is None:
-            from evertrain.models.policy import resolve_base
-
             self._base_model = resolve_base(self.config.model)
         return self._base_model
 
@@ -174,14 +165,10 @@ class Runtime:
     def stored_path(self, checkpoint: Path) -> str:
         """How ``model_versions.path`` names ``checkpoint``: relative to the checkpoints folder, so the
         state can be moved or copied elsewhere and still resolve."""
-        from evertrain.portable import portable
-
         return portable(checkpoint, self.checkpoints_root())
 
     def checkpoint(self, version: int) -> Path:
         """A local folder holding model version ``version`` (the working copy, else MLflow's artifacts)."""
-        from evertrain.portable import resolve_under
-
         row = self.store.model_version(self.campaign, version)
         stored = row["path"] if isinstance(row["path"], str) else ""
         path = resolve_under(stored, self.checkpoints_root()) if stored else None
@@ -221,10 +208,6 @@ class Runtime:
         An environment earns trust only if references earn 1, empty, trivial and known-hack completions
         earn 0, and verdicts are stable; a campaign refuses to train on one that fails.
         """
-        import json
-
-        from evertrain.envs.quality import SELFTEST_VERSION, validate
-
         for spec in self.config.environments:
             # the self-test's version is part of the key: a cached verdict of an older battery (or of
             # verifiers since fixed) is not trusted, the environment is tested again
@@ -232,8 +215,6 @@ class Runtime:
             known = self.store.env_validation(spec.name, options)
             if known.empty:
                 report = validate(self.env(spec.name), problems=1, seed=self.config.seed)
-                from evertrain.data.store import now, to_json
-
                 self.store.replace("env_validations", {"env": spec.name, "options": options}, [{
                     "env": spec.name, "options": options, "ok": report.ok, "checked": report.checked,
                     "failures": to_json(report.failures), "validated_at": now()}])
@@ -253,8 +234,6 @@ class Runtime:
         if self.store.campaign_state(self.campaign) is not None:
             return
         self.validate_environments()
-        from evertrain.models.policy import write_base_checkpoint
-
         self.tracker.ensure_registered_model()
         existing = self.tracker.alias("champion")
         if existing is None:

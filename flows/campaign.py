@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import Flow, flow, tags
+from prefect import flow, tags
 
 from evertrain.config import CampaignConfig
 from evertrain.drift import campaign_run_name
@@ -79,25 +79,22 @@ def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list
         return run_campaign(rt, iterations)
 
 
-def campaign_flow_in(rt: Runtime) -> Flow:
+def run_campaign_flow(rt: Runtime, iterations: int | None = None) -> list[int]:
     """:func:`campaign_flow` in a context the caller has already opened (``evertrain run``: a campaign another
-    process runs is refused before any flow run exists), with the same name and parameters in the Prefect UI."""
+    process runs is refused before any flow run exists), with the same name and parameters in the Prefect UI: the
+    config is the context's, passed once (the flow run records it as its parameter, as a deployment's form does)."""
 
     @flow(name="evertrain-campaign", flow_run_name=campaign_run_name, log_prints=True)
     def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
-        if config.model_dump() != rt.config.model_dump():
-            raise ValueError(f"campaign_flow_in: the context is campaign {rt.campaign!r}'s, not this config's")
         return run_campaign(rt, iterations)
 
-    return campaign_flow
+    return campaign_flow(rt.config, iterations)
 
 
 def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
     """The body of :func:`campaign_flow`, in an open context ``rt`` (which the caller closes)."""
-    from evertrain.models.sampler import check_backend
-
     # a rollout backend that cannot run the model refuses now, not when its engine dies mid-rollout
-    check_backend(rt.config, rt.base_model)
+    rt.inference.check(rt.base_model)
     finished: list[int] = []
     while iterations is None or len(finished) < iterations:
         iteration = next_iteration(rt)

@@ -97,8 +97,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from evertrain.config import LoraConfig
+    from evertrain.models.checkpoint import load_policy
     from evertrain.models.grpo import LogProbs, StepSettings, train_step
-    from evertrain.models.policy import enable_gradient_checkpointing, load_policy, update_precision
+    from evertrain.models.precision import enable_gradient_checkpointing, update_precision
 
     cpu = spec.get("cpu")
     accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else bool(cpu))
@@ -162,7 +163,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def _write_out(spec: dict[str, Any], accelerator: Any, model: Any, optimizer: torch.optim.Optimizer,
                report: dict[str, Any], mine: dict[str, Any]) -> None:
     """Process 0 writes the checkpoint, the optimizer state and the report, with every process's statistics."""
-    from evertrain.models.policy import read_manifest, save_checkpoint
+    from evertrain.models.checkpoint import read_manifest, save_checkpoint
 
     parts = [mine]
     if accelerator.num_processes > 1:
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m evertrain.models.data_parallel SPEC.json")
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     run(json.loads(Path(argv[0]).read_text()))

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from evertrain.models.policy import autocast, grouped_logprobs
+from evertrain.models.logprobs import grouped_logprobs
+from evertrain.models.precision import autocast
 
 Algorithm = str  # "grpo" | "dapo" | "dr_grpo"
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from evertrain import faults
 from evertrain.data.store import now
+from evertrain.inference.base import sync_seconds
+from evertrain.models.precision import resolve_device
 from evertrain.runtime import Runtime
 
 STAGES = ("curate", "rollout", "score", "update", "evaluate", "promote")
@@ -47,9 +49,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     flow_run_id = current_flow_run_id()
     run_id, previous_status = rt.tracker.iteration_run(iteration, flow_run_id)
     started = now()
-    wall0, cpu0 = time.perf_counter(), cpu_seconds(rt.started_engines)
-    from evertrain.models.sampler import sync_seconds
-
+    wall0, cpu0 = time.perf_counter(), cpu_seconds(rt.inference)
     sync0 = sync_seconds()  # weight hand-offs to samplers (loading a version, or giving it to the vLLM engine)
     rt.store.record_stage(rt.campaign, iteration, stage, "running", started_at=started, flow_run_id=flow_run_id)
     token = faults.current_stage.set(stage)
@@ -58,16 +58,18 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
         metrics = function(rt, iteration)
         faults.maybe_kill("end")
     except BaseException as error:
+        rt.inference.release()
         faults.current_stage.reset(token)
         rt.store.record_stage(
             rt.campaign, iteration, stage, "failed", started_at=started,
-            wall_s=time.perf_counter() - wall0, cpu_s=cpu_seconds(rt.started_engines) - cpu0, flow_run_id=flow_run_id,
+            wall_s=time.perf_counter() - wall0, cpu_s=cpu_seconds(rt.inference) - cpu0, flow_run_id=flow_run_id,
             error="".join(traceback.format_exception_only(error)).strip()[:2000],
         )
         rt.tracker.finish_run(run_id, "FAILED")
         raise
+    rt.inference.release()  # the stage's sampler (its weights, for the in-house one) goes with the stage
     faults.current_stage.reset(token)
-    wall, cpu = time.perf_counter() - wall0, cpu_seconds(rt.started_engines) - cpu0
+    wall, cpu = time.perf_counter() - wall0, cpu_seconds(rt.inference) - cpu0
     if stage == "score":  # how diverse the samples were, from the rollouts as stored (report and MLflow)
         from evertrain.report import diversity_metrics
 
@@ -92,7 +94,8 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
 
 def cpu_seconds(engines: Any = None) -> float:
     """CPU seconds of this process (every thread), of its finished children (sandboxed graders) and of the
-    running vLLM engines of ``engines`` (``evertrain.models.sampler.Engines``: the sampling a stage waits on)."""
+    running vLLM engines of ``engines`` (a campaign's inference, or an ``evertrain.inference.vllm.Engines``: the
+    sampling a stage waits on)."""
     t = os.times()
     engine_cpu = engines.cpu_seconds() if engines is not None else 0.0
     return t.user + t.system + t.children_user + t.children_system + engine_cpu
@@ -100,8 +103,6 @@ def cpu_seconds(engines: Any = None) -> float:
 
 def stage_cost(rt: Runtime, metrics: dict[str, Any], wall: float, cpu: float) -> dict[str, float]:
     """GPU seconds, tokens computed and served from the prefix cache, and dollars, for one stage."""
-    from evertrain.models.policy import resolve_device
-
     prices = rt.config.prices
     on_gpu = metrics.get("model_s", 0) or metrics.get("challenger_model_s", 0) or metrics.get("champion_model_s", 0)
     gpu = wall if on_gpu and resolve_device(rt.config.model.device).type == "cuda" else 0.0

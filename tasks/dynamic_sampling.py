@@ -31,12 +31,11 @@ from typing import Any
 
 import pandas as pd
 
-from evertrain.cluster import driver_policy, verify_items
 from evertrain.curriculum import candidates as curriculum_candidates
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.envs.quality import NgramIndex
-from evertrain.models.policy import SamplingStats
+from evertrain.inference.base import SamplingStats
 from evertrain.runtime import Runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
 from evertrain.tasks.curate import RULES, problem_row, select
@@ -77,7 +76,6 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
     audit: list[dict[str, Any]] = []
     stats = SamplingStats()
     fanout: dict[str, float] = {}
-    policy: tuple[Any, Any] | None = None
     version, checkpoint = 0, None
     draws = gained = 0
     for round_ in range(1, rounds + 1):
@@ -87,15 +85,12 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
         if not fresh:  # no fresh problem passes curation's rules: another round would draw the same
             break
         draws += 1
-        if policy is None:
+        if checkpoint is None:
             version = rollout_version(rt, iteration, default=rt.trainee_version)
             checkpoint = rt.checkpoint(version)
-            policy = driver_policy(config, checkpoint, rt.engines)
-        assert checkpoint is not None
         new_problems = [problem_row(rt, iteration, rt.env(p.env), p, round_) for p in fresh]
         rows, sandbox, round_stats, sample_fanout = sample_groups(
-            rt, iteration, pd.DataFrame(new_problems), version, checkpoint, policy, refill_round=round_,
-            label="refill")
+            rt, iteration, pd.DataFrame(new_problems), version, checkpoint, refill_round=round_, label="refill")
         by_id = {p.id: p for p in fresh}
         sandbox, grade_fanout = _grade(rt, iteration, rows, by_id, sandbox)
         round_frame = pd.DataFrame([{key: r[key] for key in ("problem_id", "env", "reward", "finish_reason")}
@@ -149,8 +144,7 @@ def _grade(rt: Runtime, iteration: int, rows: list[dict[str, Any]], by_id: dict[
            sandbox: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Grade a round's rows in place (reward, passed, reason, detail, scored_at); return the sandbox audit rows
     (``sandbox`` and the graders' own) and the graders' fan-out metrics."""
-    verdicts, grade_fanout = verify_items(
-        rt.config, rt.env, [(r["env"], by_id[r["problem_id"]], r["completion"]) for r in rows], cluster=rt.cluster)
+    verdicts, grade_fanout = rt.grade([(r["env"], by_id[r["problem_id"]], r["completion"]) for r in rows])
     stamp = now()
     for row, verdict in zip(rows, verdicts, strict=True):
         sandbox += [{**run, "campaign": rt.campaign, "iteration": iteration} for run in pop_sandbox_runs(verdict)]

@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
@@ -43,10 +44,12 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from evertrain.cluster import SampleJob, driver_policy, sample_jobs, verify_items
+from evertrain.curriculum import broad_problems, gate_problems
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.envs.base import Problem
-from evertrain.models.policy import encode_chat
+from evertrain.inference.base import SampleJob
+from evertrain.models.checkpoint import encode_chat
+from evertrain.models.precision import sampling_dtype
 from evertrain.runtime import Runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
 from evertrain.stats import bootstrap_means, sequential_boundaries
@@ -113,8 +116,6 @@ def efficacy_boundaries(fractions: tuple[float, ...], alpha: float) -> tuple[flo
 def generation_key(rt: Runtime, problem: Problem) -> str:
     """How an answer to ``problem`` is generated: token and turn limits, dtype, the prompt's messages and the
     decoding. Rows are reused only under the same key: a changed template or limit means new answers."""
-    from evertrain.models.policy import sampling_dtype
-
     config, env = rt.config, rt.env(problem.env)
     decoding: dict[str, Any] = {"greedy": True, "samples": config.eval.samples}
     if config.eval.samples:
@@ -122,9 +123,7 @@ def generation_key(rt: Runtime, problem: Problem) -> str:
     blob = {"max_new_tokens": config.max_new_tokens(problem.env, evaluation=True), "max_turns": env.max_turns,
             "dtype": sampling_dtype(config.model.rollout_dtype, config.model.device),
             "messages": env.messages(problem), "decoding": decoding}
-    from evertrain.models.sampler import backend_for
-
-    identity = backend_for(config).capabilities.answers_identity
+    identity = rt.inference.capabilities.answers_identity
     if identity:  # another engine's answers are other answers (none for the in-house sampler: keys stay stable)
         blob["backend"] = identity
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -146,8 +145,6 @@ def eval_problems(rt: Runtime, iteration: int | None = None) -> list[Problem]:
     """The gate's held-out problems of every environment, from its own held-out pool or across its curriculum levels
     (``eval.levels``, :func:`evertrain.curriculum.gate_problems`): those the gate of ``iteration`` compares on
     (``eval_size(env)`` each, the iteration's ``eval.rotations`` set), or every rotation's (None)."""
-    from evertrain.curriculum import gate_problems
-
     rotation = None if iteration is None else rt.config.gate_rotation(iteration)
     return [p for spec in rt.config.environments for p in gate_problems(rt.env(spec.name), rt.config, rotation)]
 
@@ -200,9 +197,10 @@ def champion_of(rt: Runtime, iteration: int) -> int:
     return rt.champion_version() if decided is None else decided
 
 
-def _attempts(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], samples: int,
+def _attempts(rt: Runtime, checkpoint: Path, tokenizer: Any, problems: list[Problem], samples: int,
               version: int, bar: Any) -> list[tuple[Problem, int, Any]]:
-    """(problem, sample, episode) for every attempt: greedy sample 0, then ``samples`` sampled ones."""
+    """(problem, sample, episode) for every attempt of ``version`` (held in ``checkpoint``): greedy sample 0, then
+    ``samples`` sampled ones, on the campaign's inference (here or on its Ray workers)."""
     config = rt.config
     out: list[tuple[Problem, int, Any]] = []
     jobs = []
@@ -212,15 +210,11 @@ def _attempts(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], 
         # sampled attempts are seeded per problem, so they are the same in one process and on a cluster
         jobs.append(SampleJob(env_name, batch, prompts, config.max_new_tokens(env_name, evaluation=True),
                               seeds=[seed_for(config.seed, "eval", version, p.id) for p in batch]))
-    # model is None on a cluster: the greedy answers (and sampled attempts) fan out to its rollout workers
-    checkpoint = rt.checkpoint(version)
-    greedy, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, 1, greedy=True, progress=bar,
-                            cluster=rt.cluster)
+    greedy, _ = rt.inference.sample_groups(checkpoint, version, jobs, 1, greedy=True, progress=bar)
     for job, (groups, _) in zip(jobs, greedy, strict=True):
         out += [(p, 0, g[0]) for p, g in zip(job.problems, groups, strict=True)]
     if samples:
-        sampled, _ = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, samples,
-                                 cluster=rt.cluster)
+        sampled, _ = rt.inference.sample_groups(checkpoint, version, jobs, samples)
         for job, (groups, _) in zip(jobs, sampled, strict=True):
             out += [(p, i + 1, e) for p, g in zip(job.problems, groups, strict=True) for i, e in enumerate(g)]
     return out
@@ -256,7 +250,8 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
                              "completion_tokens": 0.0, "model_s": 0.0, "sandbox_runs": 0.0}
     if not todo:
         return rows, stats
-    model, tokenizer = driver_policy(config, rt.checkpoint(version), rt.engines)
+    checkpoint = rt.checkpoint(version)
+    tokenizer = rt.inference.tokenizer(checkpoint)
     parts = slices(todo, config.eval.looks) if stop is not None else [todo]
     fractions = tuple((len(reusable) + sum(len(done) for done in parts[:look + 1])) / len(problems)
                       for look in range(len(parts)))
@@ -264,7 +259,7 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
         stats["look_fractions"] = list(fractions)
     with progress(len(todo), f"evaluate i={iteration} v{version}", "problem") as bar:
         for look, part in enumerate(parts):
-            rows += _evaluate_part(rt, model, tokenizer, part, version, iteration, role, stamp, bar, stats)
+            rows += _evaluate_part(rt, checkpoint, tokenizer, part, version, iteration, role, stamp, bar, stats)
             reason = stop(rows, look, fractions) if stop is not None and look < len(parts) - 1 else None
             if reason:
                 stats["generated"] = float(sum(len(done) for done in parts[:look + 1]))
@@ -274,12 +269,12 @@ def evaluate_version(rt: Runtime, version: int, problems: list[Problem], iterati
     return rows, stats
 
 
-def _evaluate_part(rt: Runtime, model: Any, tokenizer: Any, problems: list[Problem], version: int,
+def _evaluate_part(rt: Runtime, checkpoint: Path, tokenizer: Any, problems: list[Problem], version: int,
                    iteration: int, role: str, stamp: Any, bar: Any, stats: dict[str, Any]) -> list[dict[str, Any]]:
     began = time.perf_counter()
-    attempts = _attempts(rt, model, tokenizer, problems, rt.config.eval.samples, version, bar)
+    attempts = _attempts(rt, checkpoint, tokenizer, problems, rt.config.eval.samples, version, bar)
     stats["model_s"] += time.perf_counter() - began
-    verdicts, _ = verify_items(rt.config, rt.env, [(p.env, p, e.text) for p, _, e in attempts], cluster=rt.cluster)
+    verdicts, _ = rt.grade([(p.env, p, e.text) for p, _, e in attempts])
     keys = {p.id: generation_key(rt, p) for p in problems}
     audit = [{**run, "campaign": rt.campaign, "iteration": iteration}
              for (_, _, e), v in zip(attempts, verdicts, strict=True) for run in e.sandbox_runs + pop_sandbox_runs(v)]
@@ -420,8 +415,6 @@ def evaluate_sealed(rt: Runtime, iteration: int, versions: list[int]) -> dict[st
     learned is measured on problems that no decision ever looked at.
     """
     problems = sealed_problems(rt)
-    from evertrain.curriculum import broad_problems
-
     # the broad sealed set (every curriculum level, drawn once): measured beside the test and transfer splits
     seen = {p.id for p in problems} | {p.id for p in eval_problems(rt)}
     problems += [p for p in broad_problems(rt) if p.id not in seen]

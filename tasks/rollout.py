@@ -16,22 +16,21 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from evertrain.cluster import SampleJob, driver_policy, sample_jobs
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
-from evertrain.models.episodes import Episode
-from evertrain.models.policy import SamplingStats, encode_chat
+from evertrain.inference.base import SampleJob, SamplingStats
+from evertrain.inference.episodes import Episode
+from evertrain.models.checkpoint import encode_chat
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 
 
 def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: int, checkpoint: Path,
-                  policy: tuple[Any, Any], refill_round: int = 0, label: str = "rollout",
-                  temperature: float | None = None,
+                  refill_round: int = 0, label: str = "rollout", temperature: float | None = None,
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], SamplingStats, dict[str, Any]]:
     """Sample a group of G completions for every row of ``problems`` (columns problem_id, env, prompt, payload,
-    messages) with model version ``version``, held in ``checkpoint`` (``policy``: :func:`driver_policy`'s
-    sampler and tokenizer for it), at ``temperature`` (default: :func:`rollout_temperature`).
+    messages) with model version ``version``, held in ``checkpoint``, at ``temperature`` (default:
+    :func:`rollout_temperature`), on the campaign's inference (``rt.inference``: here or on its Ray workers).
 
     Returns the ``rollouts`` rows (unscored; ``refill_round`` marks dynamic sampling's draws), the sandbox
     audit rows of tool episodes, the sampling statistics and the cluster fan-out's metrics. Every group is
@@ -39,9 +38,8 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
     """
     if temperature is None:
         temperature = rollout_temperature(rt, iteration)
-    config = rt.config.model_copy(update={"generation": rt.config.generation.model_copy(
-        update={"temperature": temperature})})
-    model, tokenizer = policy
+    config = rt.config
+    tokenizer = rt.inference.tokenizer(checkpoint)
     problems = problems.sort_values(["env", "problem_id"]).reset_index(drop=True)
     prompts = [encode_chat(tokenizer, json.loads(m)) for m in problems["messages"]]
     G = config.group_size
@@ -55,8 +53,8 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
         jobs.append(SampleJob(env_name, env_problems, [prompts[i] for i in rows], config.max_new_tokens(env_name),
                               seeds=[seed_for(config.seed, iteration, "rollout", p.id) for p in env_problems]))
     with progress(len(prompts) * G, f"{label:<8} i={iteration}", "completion") as bar:
-        outputs, fanout = sample_jobs(config, rt.env, checkpoint, version, model, tokenizer, jobs, G, progress=bar,
-                                      cluster=rt.cluster)
+        outputs, fanout = rt.inference.sample_groups(checkpoint, version, jobs, G, temperature=temperature,
+                                                     progress=bar)
     for env_groups, env_stats in outputs:
         groups += env_groups
         stats.merge(env_stats)
@@ -75,7 +73,7 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
                 "prompt_tokens": len(prompt_ids), "completion_tokens": sum(e.loss_mask),
                 "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "rework": e.rework, "generated_at": stamp,
                 # the distribution the behaviour log-probs belong to: a replay recomputes under the same settings
-                "temperature": config.generation.temperature, "top_p": config.generation.top_p,
+                "temperature": temperature, "top_p": config.generation.top_p,
                 "refill_round": refill_round,
             })
     return rows_out, audit, stats, fanout
@@ -84,16 +82,14 @@ def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: 
 def rollout(rt: Runtime, iteration: int, version: int | None = None) -> dict[str, Any]:
     """Sample the iteration's groups from the trainee, or from policy ``version`` where one is given (async mode's
     prefetch pins the trainee as it was before the update it overlaps: one version old, whichever finishes first)."""
-    config = rt.config
     # the curated problems (those dynamic sampling drew in the score stage are the score stage's own)
     problems = rt.store.curated_problems(rt.campaign, iteration)
     if problems.empty:
         raise RuntimeError(f"iteration {iteration} has no curated problems: run the curate stage first")
     version = rollout_version(rt, iteration, default=rt.trainee_version if version is None else lambda: version)
     checkpoint = rt.checkpoint(version)
-    policy = driver_policy(config, checkpoint, rt.engines)  # on a cluster the workers hold the model
     began = time.perf_counter()
-    rows, audit, stats, fanout = sample_groups(rt, iteration, problems, version, checkpoint, policy)
+    rows, audit, stats, fanout = sample_groups(rt, iteration, problems, version, checkpoint)
     seconds = time.perf_counter() - began
     rt.store.replace("rollouts", {"campaign": rt.campaign, "iteration": iteration}, pd.DataFrame(rows))
     if audit:

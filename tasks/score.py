@@ -20,7 +20,6 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from evertrain.cluster import verify_items
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.runtime import Runtime
@@ -38,7 +37,7 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     ]
     with progress(len(items), f"score    i={iteration}", "grade") as bar:
         # in this process, or in Ray tasks (each sandboxed on its node) when the campaign has a cluster
-        verdicts, fanout = verify_items(rt.config, rt.env, items, progress=bar, cluster=rt.cluster)
+        verdicts, fanout = rt.grade(items, progress=bar)
     share = check_grader_errors(rt, iteration, verdicts)
     stamp = now()
     audit: list[dict[str, Any]] = []

@@ -72,7 +72,7 @@ def prompt_ids_for(row: Any, tokenizer: Any, prompt: str) -> list[int]:
     without worked examples, re-encoded."""
     if prompt != "bare":
         return [int(t) for t in row.prompt_ids]
-    from evertrain.models.policy import encode_chat
+    from evertrain.models.checkpoint import encode_chat
 
     # context distillation: the same completion after the prompt without examples
     if not isinstance(row.messages, str):
@@ -107,7 +107,7 @@ def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
 
     import torch
 
-    from evertrain.models.policy import load_policy, save_checkpoint
+    from evertrain.models.checkpoint import load_policy, save_checkpoint
 
     torch.manual_seed(seed_for(config.seed, iteration, STAGE, "init"))
     model, tokenizer = load_policy(rt.checkpoint(start_version), trainable=True, lora=config.update.lora,

@@ -62,6 +62,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig, UpdateConfig
+from evertrain.models.checkpoint import load_policy, save_checkpoint
 from evertrain.models.grpo import (
     Group,
     LogProbs,
@@ -74,15 +75,8 @@ from evertrain.models.grpo import (
     train_step,
     zero_variance,
 )
-from evertrain.models.policy import (
-    autocast,
-    enable_gradient_checkpointing,
-    grouped_logprobs,
-    load_policy,
-    resolve_device,
-    save_checkpoint,
-    update_precision,
-)
+from evertrain.models.logprobs import grouped_logprobs
+from evertrain.models.precision import autocast, enable_gradient_checkpointing, resolve_device, update_precision
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 from evertrain.tasks.warm_start import checkpoint_for, start_version_of

@@ -50,7 +50,7 @@ def trainer_arguments(rt: Runtime, iteration: int, model: Any, stage: str) -> di
     and the update's precision and gradient checkpointing (not TRL's defaults, which turn both on)."""
     import torch
 
-    from evertrain.models.policy import update_precision
+    from evertrain.models.precision import update_precision
 
     config, cfg = rt.config, rt.config.sft
     device = next(model.parameters()).device

@@ -41,7 +41,7 @@ LATE = frozenset({"EVERTRAIN_KILL_AT", "PYTEST_CURRENT_TEST"})
 
 # what a smoke iteration of `evertrain run` imports (python -X importtime), the costliest first
 PRELOAD = ("evertrain.cli", "evertrain.flows.campaign", "evertrain.report", "evertrain.runtime",
-           "evertrain.models.policy", "evertrain.tracking", "evertrain.plots", "evertrain.envs.answers",
+           "evertrain.models.checkpoint", "evertrain.tracking", "evertrain.plots", "evertrain.envs.answers",
            "mlflow", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
            "mlflow.tracing.processor.base_mlflow", "transformers.models.auto.auto_factory",
            "transformers.models.llama.modeling_llama", "peft", "matplotlib.pyplot", "prefect.flow_engine",

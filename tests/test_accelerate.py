@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from evertrain.envs import registry
+from evertrain.inference.local import sample
+from evertrain.models.checkpoint import encode_chat, load_policy, write_base_checkpoint
 from evertrain.models.data_parallel import write_spec
-from evertrain.models.policy import encode_chat, load_policy, sample, write_base_checkpoint
 from tests.conftest import ROOT
 
 TOLERANCE = 1e-5

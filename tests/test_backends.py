@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from evertrain.config import CampaignConfig
-from evertrain.models.policy import write_base_checkpoint
+from evertrain.models.checkpoint import write_base_checkpoint
 from tests.conftest import ROOT, smoke_config_in
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -39,7 +39,7 @@ class _Socketless:
     """Stands in for the engine process: answers every generate with one canned reply."""
 
     def __init__(self, model: Path, reply: dict) -> None:
-        from evertrain.models.policy import load_tokenizer
+        from evertrain.models.checkpoint import load_tokenizer
 
         self.options = {"model": str(model)}
         self.tokenizer = load_tokenizer(str(model))
@@ -56,7 +56,7 @@ def _reply(logprobs: list[float] | None, ids: tuple[int, ...] = (65, 66, 67)) ->
 
 @pytest.mark.parametrize("logprobs", [None, [], [-0.5, -0.7]], ids=["none", "empty", "short"])
 def test_missing_vllm_logprobs_raise(models_dir, tmp_path, logprobs):
-    from evertrain.models.sampler import EngineError, VLLMSampler
+    from evertrain.inference.vllm import EngineError, VLLMSampler
 
     model = models_dir / "tiny-llama"
     sampler = VLLMSampler(_Socketless(model, _reply(logprobs)), write_base_checkpoint(tmp_path / "b", str(model)))
@@ -66,7 +66,7 @@ def test_missing_vllm_logprobs_raise(models_dir, tmp_path, logprobs):
 
 
 def test_complete_vllm_logprobs_pass_through(models_dir, tmp_path):
-    from evertrain.models.sampler import VLLMSampler
+    from evertrain.inference.vllm import VLLMSampler
 
     model = models_dir / "tiny-llama"
     sampler = VLLMSampler(_Socketless(model, _reply([-0.5, -0.7, -0.1])),
@@ -78,7 +78,9 @@ def test_complete_vllm_logprobs_pass_through(models_dir, tmp_path):
 # --- defect 6: a model a backend cannot run is refused at start; the embedded tiny model runs everywhere -----
 
 def test_embedded_tiny_model_runs_on_every_backend(tmp_path):
-    from evertrain.models.sampler import VLLM_CPU_HEAD_SIZES, BackendWarning, backend_for, check_backend
+    from evertrain.inference.backends import backend_for, check_backend
+    from evertrain.inference.base import BackendWarning
+    from evertrain.inference.vllm import VLLM_CPU_HEAD_SIZES
     from evertrain.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
@@ -97,7 +99,9 @@ def test_embedded_tiny_model_runs_on_every_backend(tmp_path):
 
 
 def test_vllm_refuses_a_head_size_its_cpu_attention_cannot_run(tmp_path):
-    from evertrain.models.sampler import BackendError, Engines, check_backend, open_sampler
+    from evertrain.inference.backends import check_backend, open_sampler
+    from evertrain.inference.base import BackendError
+    from evertrain.inference.vllm import Engines
     from evertrain.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "head16", hidden=64, heads=4)
@@ -116,7 +120,7 @@ def test_vllm_refuses_a_head_size_its_cpu_attention_cannot_run(tmp_path):
 def test_campaign_on_vllm_refuses_before_its_first_stage(tmp_path, prefect_server):
     """The smoke campaign with a head-16 model on vLLM: refused before curate, not dead mid-rollout."""
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.models.sampler import BackendError
+    from evertrain.inference.base import BackendError
     from evertrain.models.tiny import build_tiny_model
     from evertrain.runtime import Runtime
 
@@ -133,7 +137,7 @@ def test_campaign_on_vllm_refuses_before_its_first_stage(tmp_path, prefect_serve
 # --- B: declared capabilities, and settings a backend cannot honour ----------------------------------------
 
 def test_backends_declare_their_capabilities():
-    from evertrain.models.sampler import BACKENDS
+    from evertrain.inference.backends import BACKENDS
 
     hf, vllm = BACKENDS["hf"].capabilities, BACKENDS["vllm"].capabilities
     assert hf.per_request_seeds and hf.batch_size and hf.lora and hf.logprobs and hf.weights_in_process
@@ -144,7 +148,8 @@ def test_backends_declare_their_capabilities():
 
 
 def test_vllm_warns_at_start_about_settings_it_cannot_honour(models_dir):
-    from evertrain.models.sampler import BackendWarning, check_backend
+    from evertrain.inference.backends import check_backend
+    from evertrain.inference.base import BackendWarning
 
     model = models_dir / "tiny-llama"
     with pytest.warns(BackendWarning) as caught:
@@ -157,7 +162,8 @@ def test_vllm_warns_at_start_about_settings_it_cannot_honour(models_dir):
 
 
 def test_vllm_on_a_cluster_is_warned_that_shards_are_not_reproducible(models_dir):
-    from evertrain.models.sampler import BackendWarning, check_backend
+    from evertrain.inference.backends import check_backend
+    from evertrain.inference.base import BackendWarning
 
     model = models_dir / "tiny-llama"
     config = _vllm_config(model).model_copy(update={"cluster": CampaignConfig.model_validate(
@@ -176,7 +182,7 @@ def _rewrite_same_size_same_mtime(path: Path, data: bytes) -> None:
 
 
 def test_ray_checkpoint_identity_is_its_content(tmp_path):
-    from evertrain.cluster import checkpoint_key
+    from evertrain.inference.ray_workers import checkpoint_key
 
     folder = tmp_path / "v2"
     folder.mkdir()
@@ -193,7 +199,7 @@ def test_ray_checkpoint_identity_is_its_content(tmp_path):
 
 
 def test_checkpoint_digest_follows_content_not_path_or_time(tmp_path):
-    from evertrain.models.policy import checkpoint_digest
+    from evertrain.models.checkpoint import checkpoint_digest
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -226,8 +232,8 @@ def test_the_gate_cache_key_asks_the_capability(smoke_config, tmp_path):
 
 def test_the_engine_hashes_a_folder_as_the_parent_does(tmp_path):
     """The vLLM engine's interpreter cannot import evertrain: its copy of the digest must agree."""
-    from evertrain.models.policy import checkpoint_digest
-    from evertrain.models.vllm_engine import folder_digest
+    from evertrain.inference.vllm_engine import folder_digest
+    from evertrain.models.checkpoint import checkpoint_digest
 
     for name, data in [("a/b.bin", b"1"), ("a-c.bin", b"2"), ("z.json", b"{}"), ("a/d/e.safetensors", b"3" * 99)]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +242,8 @@ def test_the_engine_hashes_a_folder_as_the_parent_does(tmp_path):
 
 
 def test_vllm_without_its_interpreter_is_refused_at_start(models_dir, tmp_path):
-    from evertrain.models.sampler import BackendError, check_backend
+    from evertrain.inference.backends import check_backend
+    from evertrain.inference.base import BackendError
 
     model = models_dir / "tiny-llama"
     config = _vllm_config(model, vllm_python=str(tmp_path / "no-such" / "python"))
@@ -246,7 +253,8 @@ def test_vllm_without_its_interpreter_is_refused_at_start(models_dir, tmp_path):
 
 def test_the_head_size_refusal_is_for_cpu_engines_only(tmp_path):
     """Workers that reserve a GPU run vLLM's GPU kernels: a head size the CPU kernels lack is no reason to refuse."""
-    from evertrain.models.sampler import BackendError, BackendWarning, check_backend
+    from evertrain.inference.backends import check_backend
+    from evertrain.inference.base import BackendError, BackendWarning
     from evertrain.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "head16", hidden=64, heads=4)
@@ -264,7 +272,7 @@ def test_the_head_size_refusal_is_for_cpu_engines_only(tmp_path):
 def test_checkpoint_digest_reads_a_file_again_only_when_it_changed(tmp_path):
     """The endpoint and the workers take a checkpoint's digest on every open: a second digest of unchanged
     weights costs a stat per file, not a read of every byte; a rewrite (same size) is still seen."""
-    from evertrain.models.policy import checkpoint_digest
+    from evertrain.models.checkpoint import checkpoint_digest
 
     folder = tmp_path / "big"
     folder.mkdir()

@@ -62,7 +62,7 @@ def test_reevaluate_measures_the_delivered_checkpoints_on_more_problems(tmp_path
     """--reevaluate answers every run's delivered checkpoint again on n problems; a run whose checkpoint is gone
     is listed as a failure, not dropped."""
     from evertrain.config import load_config
-    from evertrain.models.policy import resolve_base, write_base_checkpoint
+    from evertrain.models.checkpoint import resolve_base, write_base_checkpoint
 
     results, scratch = tmp_path / "results", tmp_path / "scratch"
     results.mkdir()

@@ -27,7 +27,9 @@ def test_no_module_level_locator_or_resource_cache_is_left():
     for module, names in {"evertrain.runtime": ("get_runtime", "release_runtimes", "_runtimes"),
                           "evertrain.data.store": ("open_store", "close_store", "_open"),
                           "evertrain.cluster": ("get_cluster", "shutdown_clusters", "_clusters"),
-                          "evertrain.models.sampler": ("get_engine", "shutdown_engines", "_engines")}.items():
+                          "evertrain.inference.ray_workers": ("get_cluster", "shutdown_clusters", "_clusters"),
+                          "evertrain.inference.vllm": ("get_engine", "shutdown_engines", "_engines"),
+                          "evertrain.inference.campaign": ("get_engine", "shutdown_engines", "_engines")}.items():
         loaded = importlib.import_module(module)
         assert not [name for name in names if hasattr(loaded, name)], module
 
@@ -90,7 +92,7 @@ def test_campaign_flow_opens_one_context_passes_it_on_and_closes_it(tmp_path, mo
 
 def test_a_failed_campaign_flow_closes_its_context(tmp_path, models_dir, prefect_server):
     from evertrain.flows.campaign import campaign_flow
-    from evertrain.models.sampler import BackendError
+    from evertrain.inference.base import BackendError
 
     # a vLLM interpreter that does not exist: refused by the flow after it opened its context
     config = smoke_config_in(tmp_path, models_dir, name="ctx-fail",
@@ -102,7 +104,7 @@ def test_a_failed_campaign_flow_closes_its_context(tmp_path, models_dir, prefect
 
 def test_the_champion_is_the_stores_whatever_mlflows_alias_says(tmp_path, models_dir):
     from evertrain.data.store import now
-    from evertrain.models.policy import write_base_checkpoint
+    from evertrain.models.checkpoint import write_base_checkpoint
     from evertrain.runtime import Runtime
     from evertrain.tasks.promote import rollback
 
@@ -129,8 +131,11 @@ def test_the_champion_is_the_stores_whatever_mlflows_alias_says(tmp_path, models
 
 
 def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
-    from evertrain.models.policy import write_base_checkpoint
-    from evertrain.models.sampler import BackendError, Engines, open_sampler
+    from evertrain.inference.backends import open_sampler
+    from evertrain.inference.base import BackendError
+    from evertrain.inference.campaign import InferenceClosed
+    from evertrain.inference.vllm import Engines
+    from evertrain.models.checkpoint import write_base_checkpoint
     from evertrain.runtime import Runtime
 
     config = smoke_config_in(tmp_path, models_dir, name="owner",
@@ -143,19 +148,21 @@ def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
         open_sampler(config, base, engines)
     assert len(engines) == 0
     rt = Runtime.open(config)
-    assert rt.started_engines is None and rt.cluster is None  # nothing is started until a stage asks
-    owned = rt.engines
+    # nothing is started until a stage asks
+    assert rt.inference.started_engines is None and rt.inference.pool is None and rt.graders is None
+    owned = rt.inference.engines
     rt.close()
-    assert rt.started_engines is None and len(owned) == 0
-    with pytest.raises(StoreError, match="is closed"):
-        _ = rt.engines
+    assert rt.inference.started_engines is None and len(owned) == 0
+    with pytest.raises(InferenceClosed, match="is closed"):
+        _ = rt.inference.engines
 
 
 def test_a_closed_context_leaves_lent_engines_running_and_stops_its_own(tmp_path, models_dir, monkeypatch):
-    from evertrain.models import sampler
+    from evertrain.inference import campaign
+    from evertrain.inference.vllm import Engines
     from evertrain.runtime import Runtime
 
-    class Recorded(sampler.Engines):
+    class Recorded(Engines):
         """Real engines (none started: whether they were stopped is what this test asks) that record a stop."""
 
         def __init__(self) -> None:
@@ -169,15 +176,16 @@ def test_a_closed_context_leaves_lent_engines_running_and_stops_its_own(tmp_path
     config = smoke_config_in(tmp_path, models_dir, name="engines")
     lent = Recorded()
     rt = Runtime.open(config, engines=lent)
-    assert rt.engines is lent and rt.started_engines is lent  # the stages sample on the lent engines
+    # the stages sample on the lent engines
+    assert rt.inference.engines is lent and rt.inference.started_engines is lent
     rt.close()
     assert lent.stopped == 0  # borrowed, as a store can be: its lender stops it
     with Runtime.open(config, engines=lent) as again:  # and another context may borrow it next
-        assert again.engines is lent
+        assert again.inference.engines is lent
     assert lent.stopped == 0
-    monkeypatch.setattr(sampler, "Engines", Recorded)  # what the context starts itself, recorded the same way
+    monkeypatch.setattr(campaign, "Engines", Recorded)  # what the context starts itself, recorded the same way
     with Runtime.open(config) as rt:
-        owned = rt.engines
+        owned = rt.inference.engines
         assert isinstance(owned, Recorded) and owned is not lent
     assert owned.stopped == 1 and lent.stopped == 0
 

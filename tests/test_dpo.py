@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from evertrain.data.store import now
-from evertrain.models.policy import grouped_logprobs, load_policy
+from evertrain.models.checkpoint import load_policy
+from evertrain.models.logprobs import grouped_logprobs
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.dpo import DEFAULT_DPO_SELECT, PairCollator, selection_sql

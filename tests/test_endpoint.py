@@ -42,7 +42,7 @@ def teach(model_dir: Path, out_dir: Path, messages: list[dict[str, str]], max_st
     import torch
     from transformers import AutoModelForCausalLM
 
-    from evertrain.models.policy import load_tokenizer
+    from evertrain.models.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -87,7 +87,7 @@ def live(tmp_path_factory, models_dir):
     rt = Runtime.open(config)
     rt.ensure_started()
     from evertrain.data.store import now
-    from evertrain.models.policy import write_base_checkpoint
+    from evertrain.models.checkpoint import write_base_checkpoint
 
     other = write_base_checkpoint(root / "checkpoints" / "untaught", str(models_dir / "tiny-llama"))
     version = rt.tracker.register(other, run_id=None, iteration=0)

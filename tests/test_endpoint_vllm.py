@@ -34,7 +34,7 @@ def on_vllm(tmp_path_factory, models_dir):
     from peft import LoraConfig, get_peft_model
 
     from evertrain.data.store import now
-    from evertrain.models.policy import load_policy, save_checkpoint, write_base_checkpoint
+    from evertrain.models.checkpoint import load_policy, save_checkpoint, write_base_checkpoint
 
     root = tmp_path_factory.mktemp("endpoint-vllm")
     base = models_dir / "tiny-llama"
@@ -65,7 +65,7 @@ def on_vllm(tmp_path_factory, models_dir):
 
 def test_vllm_answers_names_the_version_and_the_trace_is_stored(on_vllm):
     _config, rt, server, client, v2 = on_vllm
-    servers = server.endpoint.champion.vllm
+    servers = server.endpoint.champion.rt.inference.endpoint_servers
     assert servers is not None and servers.base.process.poll() is None  # vLLM's own server, a process of its own
     assert httpx.get(f"{servers.base.url}/health", timeout=30).status_code == 200
 
@@ -90,7 +90,8 @@ def test_vllm_answers_names_the_version_and_the_trace_is_stored(on_vllm):
         time.sleep(0.5)
     assert answer.model_extra["evertrain"]["served_by"] == f"vl@v{v2}"  # vLLM's own reply names the adapter
     assert f"vl@v{v2}" in servers.base.models()
-    assert servers.base.process.pid == server.endpoint.champion.vllm.base.process.pid  # no restart
+    # no restart
+    assert servers.base.process.pid == server.endpoint.champion.rt.inference.endpoint_servers.base.process.pid
     assert answer.choices[0].message.content != first.choices[0].message.content  # the adapter's answer
 
     assert server.endpoint.writer.flush(60)
@@ -107,7 +108,7 @@ def test_a_full_weights_version_gets_a_vllm_server_of_its_own(on_vllm, tmp_path)
     """Promoted to fully fine-tuned weights: a second vLLM server is started from the folder before the swap
     (the current version is served meanwhile), and it answers as that version."""
     from evertrain.data.store import now
-    from evertrain.models.policy import load_policy, save_checkpoint, write_base_checkpoint
+    from evertrain.models.checkpoint import load_policy, save_checkpoint, write_base_checkpoint
 
     _config, rt, server, client, _v2 = on_vllm
     base = rt.base_model
@@ -138,7 +139,7 @@ def test_a_full_weights_version_gets_a_vllm_server_of_its_own(on_vllm, tmp_path)
     answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
                                             max_tokens=8, temperature=0)
     assert answer.model == f"vl@v{version}"
-    servers = server.endpoint.champion.vllm
+    servers = server.endpoint.champion.rt.inference.endpoint_servers
     assert answer.model_extra["evertrain"]["served_by"] == f"vl@v{version}"
     full = servers.full[version]
     assert full.process.pid != servers.base.process.pid and full.models() == [f"vl@v{version}"]

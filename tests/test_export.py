@@ -39,7 +39,7 @@ def exported(tmp_path_factory, models_dir):
 def test_export_loads_with_plain_transformers_and_generates(exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evertrain.models.policy import load_policy
+    from evertrain.models.checkpoint import load_policy
 
     rt, out, result = exported
     assert result["version"] == 2

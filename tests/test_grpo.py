@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evertrain.models.checkpoint import load_policy, write_base_checkpoint
 from evertrain.models.grpo import LossNorm, group_advantages, policy_loss, zero_variance
-from evertrain.models.policy import grouped_logprobs, load_policy, write_base_checkpoint
+from evertrain.models.logprobs import grouped_logprobs
 
 
 def test_group_advantages():

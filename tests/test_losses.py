@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evertrain.models.checkpoint import load_policy, write_base_checkpoint
 from evertrain.models.grpo import LossNorm, policy_loss
-from evertrain.models.policy import grouped_logprobs, load_policy, write_base_checkpoint
+from evertrain.models.logprobs import grouped_logprobs
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 COMPLETIONS = [[[20, 21, 22], [23, 24, 25, 26], [27], [28, 29]], [[30, 31], [32, 33, 34, 35, 36], [37, 38, 39], [40]]]

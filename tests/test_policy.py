@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from evertrain.envs import registry
-from evertrain.models.policy import (
-    encode_chat,
-    grouped_logprobs,
-    load_policy,
-    sample,
-    save_checkpoint,
-    write_base_checkpoint,
-)
+from evertrain.inference.local import sample
+from evertrain.models.checkpoint import encode_chat, load_policy, save_checkpoint, write_base_checkpoint
+from evertrain.models.logprobs import grouped_logprobs
 
 
 @pytest.fixture
@@ -147,12 +142,12 @@ def test_auto_rollout_dtype_is_bfloat16_only_where_the_cpu_computes_it(monkeypat
     on an AMD EPYC without AVX-512 BF16, while native bfloat16 was 1.6x faster on an Intel Xeon with AMX."""
     from evertrain import models
     from evertrain.config import CampaignConfig
-    from evertrain.models.policy import sampling_dtype
+    from evertrain.models.precision import sampling_dtype
 
     assert sampling_dtype("float32") == "float32" and sampling_dtype("bfloat16") == "bfloat16"
-    monkeypatch.setattr(models.policy, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(models.precision, "cpu_supports_bf16", lambda: False)
     assert sampling_dtype("auto", "cpu") == "float32"
-    monkeypatch.setattr(models.policy, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(models.precision, "cpu_supports_bf16", lambda: True)
     assert sampling_dtype("auto", "cpu") == "bfloat16"
     assert CampaignConfig.model_validate({"model": {"rollout_dtype": "auto"}}).model.rollout_dtype == "auto"
     with pytest.raises(ValueError, match="rollout_dtype"):

@@ -76,7 +76,7 @@ def test_slices_take_the_same_share_of_every_environment():
 
 def _register_random_challenger(rt, iteration: int, models_dir) -> int:
     """What a broken update would register: full weights, freshly randomly initialized."""
-    from evertrain.models.policy import save_checkpoint
+    from evertrain.models.checkpoint import save_checkpoint
     from evertrain.models.tiny import build_tiny_model
 
     random_base = build_tiny_model(models_dir.parent / "random-tiny", seed=1234)

@@ -64,7 +64,7 @@ def single_process(tmp_path_factory, models_dir):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from evertrain.cluster import disconnect_ray
+    from evertrain.inference.ray_workers import disconnect_ray
 
     yield
     disconnect_ray()
@@ -82,7 +82,7 @@ def on_ray(tmp_path_factory, models_dir, prefect_server, ray_cluster):
     config = configure(tmp_path_factory.mktemp("ray"), models_dir, RAY)
     with Runtime.open(config) as rt:
         assert run_campaign(rt, 2) == [0, 1]
-        cluster = rt.cluster
+        cluster = rt.inference.pool
         assert cluster is not None and ray.is_initialized()
         pids = set(ray.get([worker.pid.remote() for worker in cluster.workers]))
         workers = list(cluster.workers)
@@ -133,13 +133,13 @@ def test_killed_worker_is_replaced_and_its_groups_redone_once(single_process, tm
 
     config = configure(tmp_path, models_dir, RAY)
     rt = Runtime.open(config)
-    before = {id(worker) for worker in rt.cluster.workers}
+    before = {id(worker) for worker in rt.inference.pool.workers}
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     # the worker that receives shard 1 SIGKILLs itself with the shard sampled but not handed back
     monkeypatch.setenv("EVERTRAIN_KILL_WORKER_AT", "rollout:1")
     metrics = run_stage(rt, "rollout", 0, STAGE_FUNCTIONS["rollout"])
     assert metrics["cluster_workers_replaced"] == 1
-    after = {id(worker) for worker in rt.cluster.workers}
+    after = {id(worker) for worker in rt.inference.pool.workers}
     assert len(after - before) == 1, "exactly one worker should have been replaced"
     counts = rows(config, "SELECT problem_id, sample, count(*) AS n FROM rollouts WHERE campaign = ? GROUP BY ALL")
     assert (counts["n"] == 1).all(), "a group was written twice"
@@ -153,7 +153,8 @@ def test_killed_worker_is_replaced_and_its_groups_redone_once(single_process, tm
 
 def test_groups_are_seeded_by_problem_not_by_place_in_the_batch(models_dir):
     """What lets shards equal one process's batches: a group's draws come from its own generator."""
-    from evertrain.models.policy import load_policy, sample, write_base_checkpoint
+    from evertrain.inference.local import sample
+    from evertrain.models.checkpoint import load_policy, write_base_checkpoint
 
     checkpoint = write_base_checkpoint(models_dir / "seeding-base", str(models_dir / "tiny-llama"))
     model, tokenizer = load_policy(checkpoint)
@@ -171,8 +172,9 @@ def test_groups_are_seeded_by_problem_not_by_place_in_the_batch(models_dir):
 
 
 def test_a_pool_that_leaves_no_cpu_for_grading_is_refused(on_ray, tmp_path, models_dir):
-    from evertrain.cluster import ClusterError, open_cluster
+    from evertrain.inference.base import ClusterError
+    from evertrain.inference.ray_workers import WorkerPool
 
     greedy = configure(tmp_path, models_dir, {**RAY, "workers": 4})  # 4 x 0.5 CPUs + 0.5: more than the 2 there are
     with pytest.raises(ClusterError, match=r"offers 2 CPUs.*need 2\.5"):
-        open_cluster(greedy)
+        WorkerPool(greedy).start()

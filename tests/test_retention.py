@@ -8,7 +8,7 @@ import pytest
 from mlflow.utils.file_utils import local_file_uri_to_path
 
 from evertrain.data.store import StoreError
-from evertrain.models.policy import load_policy
+from evertrain.models.checkpoint import load_policy
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from evertrain.tasks.promote import rollback

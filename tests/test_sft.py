@@ -102,7 +102,7 @@ def test_bare_sft_trains_the_completion_after_the_prompt_without_examples(scored
 
     from transformers import AutoTokenizer
 
-    from evertrain.models.policy import encode_chat
+    from evertrain.models.checkpoint import encode_chat
     from evertrain.tasks import sft as sft_module
 
     rt = scored

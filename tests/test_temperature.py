@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from evertrain.config import ConfigError, load_config
-from evertrain.models.policy import grouped_logprobs, load_policy
+from evertrain.models.checkpoint import load_policy
+from evertrain.models.logprobs import grouped_logprobs
 from evertrain.runtime import Runtime
 from evertrain.tasks.rollout import next_temperature
 from tests.conftest import ROOT, smoke_config_in

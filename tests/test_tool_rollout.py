@@ -14,7 +14,7 @@ import torch
 
 from evertrain.envs.base import Problem
 from evertrain.envs.tools import replay_transcript
-from evertrain.models.policy import load_tokenizer
+from evertrain.models.checkpoint import load_tokenizer
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import check_one_tool_call, smoke_config_in

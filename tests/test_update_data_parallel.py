@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from evertrain.config import LoraConfig, UpdateConfig
+from evertrain.models.checkpoint import load_policy, write_base_checkpoint
 from evertrain.models.data_parallel import launch, write_spec
-from evertrain.models.policy import load_policy, write_base_checkpoint
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.update import check_data_parallel, dropout_settings

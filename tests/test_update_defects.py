@@ -12,7 +12,7 @@ import math
 import torch
 
 from evertrain.config import UpdateConfig
-from evertrain.models.policy import load_policy, write_base_checkpoint
+from evertrain.models.checkpoint import load_policy, write_base_checkpoint
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from evertrain.tasks.sft import sft as sft_stage

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from evertrain.config import CampaignConfig
-from evertrain.models.policy import grouped_logprobs, load_policy, save_checkpoint, write_base_checkpoint
+from evertrain.models.checkpoint import load_policy, save_checkpoint, write_base_checkpoint
+from evertrain.models.logprobs import grouped_logprobs
 from tests.conftest import ROOT, check_one_tool_call, smoke_config_in
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -46,7 +47,7 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines():
     """The engines this module's samplers run on (one per model and settings), stopped at its end."""
-    from evertrain.models.sampler import Engines
+    from evertrain.inference.vllm import Engines
 
     owned = Engines()
     yield owned
@@ -106,7 +107,8 @@ def _agreement(model, groups, prompts, temperature: float, top_p: float = 1.0) -
 def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_model, tmp_path, engines):
     from peft import LoraConfig, get_peft_model
 
-    from evertrain.models.sampler import VLLMSampler, open_sampler
+    from evertrain.inference.backends import open_sampler
+    from evertrain.inference.vllm import VLLMSampler
 
     config = _config(vllm_model)
     base = write_base_checkpoint(tmp_path / "base", str(vllm_model))
@@ -150,7 +152,7 @@ def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_mode
 
 
 def test_full_weights_are_reloaded_in_place(vllm_model, tmp_path, engines):
-    from evertrain.models.sampler import open_sampler
+    from evertrain.inference.backends import open_sampler
 
     config = _config(vllm_model, finetune="full")
     base = write_base_checkpoint(tmp_path / "base", str(vllm_model))
@@ -196,10 +198,10 @@ def test_tool_episode_through_vllm(taught_model, tmp_path):
     metrics = json.loads(rt.store.scalar("SELECT metrics FROM stage_runs WHERE stage = 'rollout'"))
     assert "weight_sync_s" in metrics and metrics["cached_prompt_tokens"] > 0
     # the weights the engine was handed are, by content, those of the policy version the rollouts name
-    from evertrain.models.policy import checkpoint_digest
+    from evertrain.models.checkpoint import checkpoint_digest
     (version,) = set(rollouts["policy_version"])
-    assert len(rt.engines) == 1  # the context's one engine, which the stages shared
-    engine = rt.engines.get(config, rt.base_model)
+    assert len(rt.inference.engines) == 1  # the context's one engine, which the stages shared
+    engine = rt.inference.engines.get(config, rt.base_model)
     assert engine.served == checkpoint_digest(rt.checkpoint(int(version)))
     rt.close()
     assert engine.process.poll() is not None  # the context's own engine stops with it
@@ -225,7 +227,7 @@ def test_two_iteration_campaign_on_vllm(vllm_model, tmp_path, finetune, prefect_
     count = len(engines)
     assert run_campaign(rt, 2) == [0, 1]
     # one engine, that one, served both iterations' rollouts and evaluations: the campaign started no other
-    assert rt.engines is engines and len(engines) == count and engines.get(config, rt.base_model) is engine
+    assert rt.inference.engines is engines and len(engines) == count and engines.get(config, rt.base_model) is engine
     versions = rt.store.query("SELECT kind FROM model_versions WHERE campaign = ? ORDER BY version", [config.name])
     assert versions["kind"].tolist() == ["base", finetune, finetune]
     rollouts = rt.store.query("SELECT iteration, policy_version, logprobs, completion_ids FROM rollouts")
@@ -270,8 +272,8 @@ def _policy(tiny: Path, base: Path, finetune: str, seed: int):
 def test_a_checkpoint_folder_rewritten_in_place_is_served_anew(vllm_model, tmp_path, finetune, engines):
     """The engine keys what it serves by content, not by folder: a checkpoint folder rewritten in place (an
     in-process rerun of the update, the notebook's use) is served with its new weights."""
-    from evertrain.models.policy import checkpoint_digest
-    from evertrain.models.sampler import open_sampler
+    from evertrain.inference.backends import open_sampler
+    from evertrain.models.checkpoint import checkpoint_digest
 
     tiny = vllm_model
     config = _config(tiny, finetune)

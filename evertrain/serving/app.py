@@ -105,8 +105,6 @@ class Champion:
         self.last_error: str | None = None
         # versions whose load failed: {version: {digest, delay, next_try, attempts, error}}
         self.failed: dict[int, dict[str, Any]] = {}
-        # generation.backend = "vllm": vLLM's own OpenAI server does the sampling (evertrain.serving.vllm_server)
-        self.vllm: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -122,8 +120,7 @@ class Champion:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.vllm is not None:
-            self.vllm.close()
+        self.rt.inference.close()  # what it started to serve (vLLM's own servers, for generation.backend = "vllm")
 
     def _champion_version(self) -> int:
         """The store's champion (a stale or hand-moved MLflow alias does not move what is served)."""
@@ -133,25 +130,16 @@ class Champion:
         if version in self._loaded:
             self._loaded.move_to_end(version)
             return self._loaded[version]
-        from evertrain.models.policy import resolve_device
-        from evertrain.models.sampler import backend_for, open_sampler, resolve_backend
+        from evertrain.models.precision import resolve_device
 
-        if resolve_backend(self.config) == "vllm":
-            if self.vllm is None:
-                from evertrain.serving.vllm_server import VLLMServers
-
-                backend_for(self.config).refuse(self.config, self.rt.base_model)  # what vLLM cannot run, named
-                self.vllm = VLLMServers(self.config, self.rt.base_model)
-            sampler, seconds = self.vllm.open(version, self.rt.checkpoint(version))
-        else:
-            sampler, seconds = open_sampler(self.config, self.rt.checkpoint(version))
+        # the campaign's inference serves it: on the backend's own servers where it has them (vLLM's OpenAI server)
+        sampler, seconds = self.rt.inference.serve(version, self.rt.checkpoint(version), self.rt.base_model)
         served = Served(version=version, name=f"{self.config.name}@v{version}", sampler=sampler,
                         tokenizer=sampler.tokenizer, on_gpu=resolve_device(self.config.model.device).type == "cuda")
         self._loaded[version] = served
         while len(self._loaded) > self.keep_loaded:
             evicted, _ = self._loaded.popitem(last=False)  # requests still holding it keep it alive until they end
-            if self.vllm is not None:
-                self.vllm.release(evicted)
+            self.rt.inference.unserve(evicted)
         log.info("endpoint: loaded %s in %.2f s", served.name, seconds)
         return served
 
@@ -185,7 +173,7 @@ class Champion:
     def _digest(self, version: int) -> str | None:
         """The content digest of ``version``'s local checkpoint folder (None when it is not local or unknown):
         a failed version is tried again at once when its content changes."""
-        from evertrain.models.policy import checkpoint_digest
+        from evertrain.models.checkpoint import checkpoint_digest
         from evertrain.portable import resolve_under
 
         try:
@@ -271,7 +259,7 @@ class Endpoint:
     """The endpoint's state: config, store, champion, trace writer, and the executors that do the work."""
 
     def __init__(self, config: CampaignConfig, store: Store | None = None) -> None:
-        from evertrain.models.policy import set_threads
+        from evertrain.models.precision import set_threads
 
         self.config = config
         self.serving = config.serving
@@ -284,13 +272,11 @@ class Endpoint:
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
         self.writer: TraceWriter | None = None
-        from evertrain.models.sampler import resolve_backend
-
-        # on vLLM's server, concurrent requests are batched by vLLM itself: let them reach it together; on the
-        # in-house sampler the batcher runs one sampling call at a time (it uses every torch thread), for
-        # up to serving.max_batch requests that arrived meanwhile
+        # a backend that schedules its own batches (vLLM's server) batches concurrent requests itself: let them reach
+        # it together; on the in-house sampler the batcher runs one sampling call at a time (it uses every torch
+        # thread), for up to serving.max_batch requests that arrived meanwhile
         self.batcher: Batcher | None = None
-        if resolve_backend(config) == "vllm":
+        if not self.champion.rt.inference.capabilities.batch_size:
             workers = self.serving.vllm_concurrency
         else:
             workers = self.serving.max_batch
@@ -553,7 +539,7 @@ class Endpoint:
     def generate(self, request: ChatRequest, served: Served, draft: Draft) -> dict[str, Any]:
         """Sample the answer with ``served`` (the one model this request sees) and build the response."""
         from evertrain.envs.tools import parse_tool_call, stop_strings
-        from evertrain.models.policy import encode_chat
+        from evertrain.models.checkpoint import encode_chat
 
         with self._encode_lock:
             prompt = encode_chat(served.tokenizer, request.messages)

@@ -93,7 +93,7 @@ class Batcher:
                 job.future.set_exception(error)
 
     def _call(self, batch: list[Job]) -> None:
-        from evertrain.models.policy import SamplingStats
+        from evertrain.inference.base import SamplingStats
 
         first = batch[0]
         try:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evertrain.envs.base import Environment, Problem
-from evertrain.models.policy import Sample, SamplingStats
-from evertrain.models.sampler import as_sampler
+from evertrain.envs.tools import format_tool_result, parse_tool_call, stop_strings
+from evertrain.inference.base import Sample, Sampler, SamplingStats
 
 PLACEHOLDER = "\u2063EVERTRAIN-ASSISTANT-TURN\u2063"
 
@@ -71,15 +71,14 @@ def tool_message_ids(tokenizer: Any, messages: list[dict[str, str]], tool_messag
     return tokenizer(suffix, add_special_tokens=False)["input_ids"]
 
 
-def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list[Problem],
+def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
                     prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
                     top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
                     progress: Any = None, tool_workers: int = 2,
                     seeds: list[int] | None = None) -> tuple[list[list[Episode]], SamplingStats]:
     """``n`` episodes per problem of one environment (single- or multi-turn), with sampling statistics.
 
-    ``model`` is a :class:`~evertrain.models.sampler.Sampler` (the in-house one or a vLLM engine's), or a
-    transformers model, which samples through the in-house sampler.
+    ``sampler`` is any :class:`~evertrain.inference.base.Sampler` (the in-house one, a vLLM engine's).
 
     ``seeds`` (one per problem) seed each group on its own (see ``sample``), later turns included, so a
     group's episodes do not depend on the batch it was sampled in.
@@ -87,10 +86,8 @@ def sample_episodes(model: Any, tokenizer: Any, env: Environment, problems: list
     agentic = bool(env.tools) and env.max_turns > 1
     stops: tuple[str, ...] = ()
     if agentic:
-        from evertrain.envs.tools import format_tool_result, parse_tool_call, stop_strings
-
         stops = tuple(stop_strings(env.tools))
-    sampler = as_sampler(model, tokenizer)
+    tokenizer = sampler.tokenizer
     groups, stats = sampler.sample(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    greedy=greedy, batch_size=batch_size, seed=seed, progress=progress,
                                    stop_strings=stops, seeds=seeds)

