@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 def run_rows(store_uri: str, campaign: str) -> tuple[list[dict[str, Any]], float]:
     """Per iteration: reward, level, diversity and temperature; and the campaign's stage CPU-minutes."""
+    from evertrain.data.lineage import diversity
     from evertrain.data.store import Store
-    from evertrain.report import diversity
 
     with Store(store_uri, read_only=True) as store:
         rewards = {int(r["iteration"]): float(r["reward"]) for r in store.records(

@@ -30,11 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_table, save
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+from evertrain.stats import percentile
 
 
 def drive(client: Any, requests: int, clients: int, max_tokens: int) -> dict[str, Any]:
@@ -69,8 +65,8 @@ def drive(client: Any, requests: int, clients: int, max_tokens: int) -> dict[str
         thread.join()
     wall = time.perf_counter() - began
     return {"requests": requests, "failed": len(failures), "wall_s": round(wall, 2),
-            "rps": round(len(latencies) / wall, 1), "p50_ms": round(_percentile(latencies, 50), 1),
-            "p90_ms": round(_percentile(latencies, 90), 1), "p99_ms": round(_percentile(latencies, 99), 1),
+            "rps": round(len(latencies) / wall, 1), "p50_ms": round(percentile(latencies, 50), 1),
+            "p90_ms": round(percentile(latencies, 90), 1), "p99_ms": round(percentile(latencies, 99), 1),
             "mean_ms": round(statistics.fmean(latencies), 1)}
 
 

@@ -82,7 +82,7 @@ def late_gain(scores: pd.DataFrame, before: int | None, after: int | None, split
               samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, Any] | None:
     """pass@1 of ``after`` minus ``before`` on the problems of ``split`` both answered, with a 95% paired
     bootstrap interval stratified by level and source (the broad set's strata; one stratum elsewhere)."""
-    from evertrain.stats import bootstrap_means
+    from evertrain.stats import bootstrap_means, percentile_interval
 
     if before is None or after is None:
         return None
@@ -98,10 +98,10 @@ def late_gain(scores: pd.DataFrame, before: int | None, after: int | None, split
     diff = (paired[after] - paired[before]).to_numpy(dtype=float)
     # the same champion at both ends: the gain is exactly 0 (no bootstrap over a constant)
     means = bootstrap_means(diff, labels.to_numpy(), samples, seed) if diff.any() else np.zeros(1)
+    low, high = percentile_interval(means)
     return {"split": split, "before_version": before, "after_version": after, "problems": len(diff),
             "before_pass1": float(paired[before].mean()), "after_pass1": float(paired[after].mean()),
-            "gain": float(diff.mean()), "gain_low": float(np.quantile(means, 0.025)),
-            "gain_high": float(np.quantile(means, 0.975)), "p_gain_above_0": float((means > 0).mean()),
+            "gain": float(diff.mean()), "gain_low": low, "gain_high": high, "p_gain_above_0": float((means > 0).mean()),
             "improved": int((diff > 0).sum()), "worsened": int((diff < 0).sum())}
 
 
@@ -143,7 +143,7 @@ def measure_trainee(config_path: str, sets: list[str], campaign: str) -> tuple[i
 
 def curve(store: Any, campaign: str) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[int, int | None]]:
     from evertrain.curriculum import levels_over_iterations
-    from evertrain.report import diversity
+    from evertrain.data.lineage import diversity
 
     stages = store.query("SELECT iteration, sum(coalesce(cpu_s, 0)) AS cpu_s, sum(coalesce(wall_s, 0)) AS wall_s, "
                          "bool_and(status = 'completed') AS done FROM stage_runs WHERE campaign = ? "

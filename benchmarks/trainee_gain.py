@@ -50,13 +50,13 @@ BOOTSTRAP_SEED = 20261202
 def paired(frame: pd.DataFrame, before: int, after: int) -> dict[str, Any]:
     """Gain of ``after`` over ``before`` on ``frame``'s problems (columns: set, problem_id, model_version,
     reward), with a 95% bootstrap interval stratified by ``set``."""
-    from evertrain.stats import bootstrap_means
+    from evertrain.stats import bootstrap_means, percentile_interval
 
     wide = frame.pivot_table(index=["set", "problem_id"], columns="model_version", values="reward").dropna()
     a, b = wide[before].to_numpy(), wide[after].to_numpy()
     diffs = b - a
     means = bootstrap_means(diffs, wide.index.get_level_values("set").to_numpy(), BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
-    low, high = np.quantile(means, [0.025, 0.975])
+    low, high = percentile_interval(means)
     return {"problems": len(diffs), "base_pass1": float(a.mean()), "trainee_pass1": float(b.mean()),
             "gain": float(diffs.mean()), "ci95": [float(low), float(high)],
             "p_gain_at_most_0": float(np.mean(means <= 0))}

@@ -566,18 +566,6 @@ def summarize(before: dict[str, Any], after: dict[str, Any], cpu_s: float) -> di
             "points_per_cpu_hour": 100 * gain / hours if hours else 0.0}
 
 
-def seeds_bootstrap(diffs: list[Any], samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> Any:
-    """Bootstrap draws of the mean gain over seeds: resample the seeds, then the problems within each seed."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    draws = np.empty(samples)
-    for i in range(samples):
-        chosen = rng.integers(0, len(diffs), size=len(diffs))
-        draws[i] = np.mean([diffs[k][rng.integers(0, len(diffs[k]), size=len(diffs[k]))].mean() for k in chosen])
-    return draws
-
-
 def curve(evaluate: Evaluator, base: dict[str, Any], checkpoints: list[dict[str, Any]]) -> list[dict[str, Any]]:
     points = [{"label": "base", "cpu_min": 0.0, "completions": 0, "pass1": base["pass1"], "ci": base["ci"]}]
     for c in checkpoints:
@@ -712,6 +700,8 @@ def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: d
     """Per system: the mean gain over seeds with a seeds-and-problems bootstrap interval, points per CPU-hour."""
     import numpy as np
 
+    from evertrain.stats import nested_bootstrap_means, percentile_interval
+
     out: dict[str, Any] = {}
     draws: dict[str, Any] = {}
     for system in SYSTEMS:
@@ -721,20 +711,21 @@ def aggregate(runs: list[dict[str, Any]], base: dict[str, Any], base_transfer: d
         diffs = [as_array({"passed": r["passed"]}) - as_array(base) for r in mine]
         moved = [as_array({"passed": r["transfer_passed"]}) - as_array(base_transfer) for r in mine]
         gain, transfer_gain = float(np.mean([d.mean() for d in diffs])), float(np.mean([m.mean() for m in moved]))
-        boot, boot_t = seeds_bootstrap(diffs), seeds_bootstrap(moved)
+        # resample the seeds, then the problems within each seed
+        boot = nested_bootstrap_means(diffs, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
+        boot_t = nested_bootstrap_means(moved, BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED)
         hours = float(np.mean([r["cpu_min"] for r in mine])) / 60
         draws[system] = 100 * boot / hours
         out[system] = {
             "seeds": [r["seed"] for r in mine], "gains": [r["gain"] for r in mine],
-            "gain": gain, "gain_ci": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+            "gain": gain, "gain_ci": list(percentile_interval(boot)),
             "transfer_gains": [r["transfer_gain"] for r in mine], "transfer_gain": transfer_gain,
-            "transfer_gain_ci": [float(np.quantile(boot_t, 0.025)), float(np.quantile(boot_t, 0.975))],
+            "transfer_gain_ci": list(percentile_interval(boot_t)),
             "cpu_min_mean": hours * 60, "points_per_cpu_hour": 100 * gain / hours,
             # for information (the bar is the test split's): the whole sealed set, test and transfer pooled
             "sealed_set_gain": (gain + transfer_gain) / 2,
             "sealed_set_points_per_cpu_hour": 100 * (gain + transfer_gain) / 2 / hours,
-            "points_per_cpu_hour_ci": [float(np.quantile(draws[system], 0.025)),
-                                       float(np.quantile(draws[system], 0.975))],
+            "points_per_cpu_hour_ci": list(percentile_interval(draws[system])),
         }
     baselines = [b for b in BASELINES if b in out]
     if "evertrain" in out and baselines:

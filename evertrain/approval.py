@@ -73,7 +73,7 @@ def _env_gains(scores: pd.DataFrame, seed: int, samples: int = 2000) -> list[dic
 
 
 def _sealed_lines(rt: Any) -> list[str]:
-    from evertrain.report import champion_vs_base
+    from evertrain.data.lineage import champion_vs_base
 
     rows = [r for r in champion_vs_base(rt.store, rt.campaign) if r["split"] != "gate"]
     lines = ["#### Sealed splits (so far: base model and current champion)", ""]

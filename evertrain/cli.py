@@ -56,8 +56,9 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
+    from evertrain.data.lineage import iteration_report
     from evertrain.flows.campaign import run_campaign_flow
-    from evertrain.report import iteration_report, render_table
+    from evertrain.report import render_table
     from evertrain.runtime import Runtime
 
     mix = [f"{s.name}×{s.weight:g}" if s.weight else f"{s.name} (eval only)" for s in config.environments]
@@ -67,7 +68,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # opened before the flow run, so a campaign another process runs is refused without a failed flow run; held
     # by the flow (the same flow, name and parameters as a deployment's) and closed when it ends, however it ends;
     # the report is read through the same connection before it closes
-    from evertrain.report import champion_vs_base, format_refusal, format_versus, last_refusal, share_line
+    from evertrain.data.lineage import champion_vs_base, last_refusal
+    from evertrain.report import format_refusal, format_versus, share_line
 
     # SIGTERM (`kill`, a service manager's stop) stops like Ctrl-C: the flow run is marked, the store closed and
     # the temporary Prefect server Prefect started for this run stopped (by default SIGTERM ended the process
@@ -321,31 +323,28 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
+    from evertrain.data.lineage import champion_vs_base, iteration_report
     from evertrain.data.store import Store
-    from evertrain.report import champion_vs_base, format_versus, iteration_report, render_table, share_line
+    from evertrain.report import format_versus, render_table, share_line
 
     store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
     rows = iteration_report(store, args.campaign)
     summary = champion_vs_base(store, args.campaign)
-    from evertrain.report import (
-        agent_metrics,
-        format_agent,
-        format_mix,
-        format_refusal,
-        last_refusal,
-        mix_over_iterations,
-    )
+    from evertrain.data.lineage import last_refusal
+    from evertrain.report import agent_metrics, format_agent, format_mix, format_refusal, mix_over_iterations
 
     mix, agent = mix_over_iterations(store, args.campaign), agent_metrics(store, args.campaign)
     refusal = last_refusal(store, args.campaign)
-    from evertrain.report import format_live, live_pass_rate
+    from evertrain.data.lineage import live_pass_rate
+    from evertrain.report import format_live
 
     live = live_pass_rate(store, args.campaign)
-    from evertrain.report import live_pass_rate_over_time
+    from evertrain.data.lineage import live_pass_rate_over_time
 
     live_series = live_pass_rate_over_time(store, args.campaign) if args.html else []
     from evertrain.curriculum import format_levels, levels_over_iterations
-    from evertrain.report import diversity, format_diversity, format_gate_power, gate_power
+    from evertrain.data.lineage import diversity
+    from evertrain.report import format_diversity, format_gate_power, gate_power
 
     levels, spread, power = levels_over_iterations(store, args.campaign), diversity(store, args.campaign), \
         gate_power(store, args.campaign)
@@ -562,8 +561,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
+    from evertrain.data.lineage import sample_rollouts
     from evertrain.data.store import Store
-    from evertrain.report import render_rollouts, sample_rollouts
+    from evertrain.report import render_rollouts
 
     store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
     try:

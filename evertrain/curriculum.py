@@ -4,7 +4,9 @@ A generator with one fixed difficulty runs out of problems the model can learn f
 all (the agent campaign reaches 1.00 on ``calculator`` in its second iteration) every group rewards 1 and
 GRPO learns nothing, and what lies just beyond the trained range stays out of reach. So every environment
 that can be made harder or easier has a ladder of levels (:func:`ladder_for`), and curate draws its
-training problems at the environment's current level.
+training problems at the environment's current level. An environment declares its ladder by registering it for
+its class (:func:`register_ladder`), so a package outside the project can ship an environment with its own
+curriculum; one without a registered ladder that counts its training problems gets bands of pass-rate history.
 
 The levels
 ----------
@@ -353,27 +355,44 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def ladder_for(env: Environment) -> Ladder | None:
-    """The environment's ladder of levels, or None when it has no notion of difficulty here."""
-    from evertrain.envs.arithmetic import Arithmetic
-    from evertrain.envs.calculator import Calculator
-    from evertrain.envs.reasoning_gym import ReasoningGym
-    from evertrain.envs.terminal import Terminal
+# environment class ("module:Class") -> what builds its ladder (None: no notion of difficulty here)
+LadderFactory = Callable[[Environment], "Ladder | None"]
+LADDERS: dict[str, LadderFactory] = {}
 
-    if isinstance(env, Arithmetic):
-        return ArithmeticLadder(env)
-    if isinstance(env, Calculator):
-        return CalculatorLadder(env)
-    if isinstance(env, Terminal):
-        return TerminalLadder(env)
-    if isinstance(env, ReasoningGym):
-        ladder = ReasoningGymLadder(env)
-        return ladder if ladder.levels > 1 else None
+
+def register_ladder(env_class: type[Environment] | str, factory: LadderFactory) -> None:
+    """Give ``env_class`` (a class, or its ``"module:Class"`` name: nothing is imported) and its subclasses the
+    ladder ``factory(env)`` builds: how an environment package outside the project ships its own curriculum
+    (``register_ladder(MyEnv, MyLadder)``, ``MyLadder`` a :class:`Ladder`). Registering a class again replaces it."""
+    key = env_class if isinstance(env_class, str) else f"{env_class.__module__}:{env_class.__qualname__}"
+    LADDERS[key] = factory
+
+
+def ladder_for(env: Environment) -> Ladder | None:
+    """The environment's ladder of levels: the one registered for its class or the nearest base class that has
+    one (:func:`register_ladder`); else bands of pass-rate history where it counts its training problems; else
+    None (no notion of difficulty here)."""
+    for cls in type(env).__mro__:
+        factory = LADDERS.get(f"{cls.__module__}:{cls.__qualname__}")
+        if factory is not None:
+            return factory(env)
     try:
         fixed = env.count("train") is not None
     except ValueError:  # an environment that cannot count without its options: no bands
         fixed = False
     return BandLadder(env) if fixed else None
+
+
+def _reasoning_gym_ladder(env: Environment) -> Ladder | None:
+    ladder = ReasoningGymLadder(env)
+    return ladder if ladder.levels > 1 else None  # a generator without a curriculum keeps its difficulty
+
+
+# the project's own environments, by name (their modules import only when an environment of theirs is used)
+register_ladder("evertrain.envs.arithmetic:Arithmetic", ArithmeticLadder)
+register_ladder("evertrain.envs.calculator:Calculator", CalculatorLadder)
+register_ladder("evertrain.envs.terminal:Terminal", TerminalLadder)
+register_ladder("evertrain.envs.reasoning_gym:ReasoningGym", _reasoning_gym_ladder)
 
 
 def cached_ladder(env: Environment) -> Ladder | None:

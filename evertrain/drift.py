@@ -28,7 +28,7 @@ from prefect import flow
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store
-from evertrain.serving.traces import wilson
+from evertrain.stats import wilson
 
 log = logging.getLogger("evertrain.drift")
 

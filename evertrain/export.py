@@ -89,7 +89,7 @@ def _log_transformers_model(rt: Runtime, model: Any, tokenizer: Any, version: in
 def collect_lineage(rt: Runtime, version: int, row: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     """Where ``version`` came from, read from the store: the chain of versions back to the base model, the
     iterations and data that trained them, the gate's decisions, held-out results and what it all cost."""
-    from evertrain.report import champion_vs_base
+    from evertrain.data.lineage import champion_vs_base
 
     store, campaign = rt.store, rt.campaign
     chain = store.lineage(campaign, version)

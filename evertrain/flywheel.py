@@ -243,7 +243,7 @@ def outcomes(store: Any, campaign: str, trace_ids: list[str]) -> dict[str, bool]
 
 
 def phase_rate(episodes: list[Episode], graded: dict[str, bool]) -> dict[str, Any]:
-    from evertrain.serving.traces import wilson
+    from evertrain.stats import wilson
 
     scored = [graded[e.final_trace] for e in episodes if e.final_trace in graded]
     n, k = len(scored), int(sum(scored))

@@ -2,7 +2,8 @@
 
 After each promote decision, every model version's checkpoint is deleted (working copy under
 ``paths.checkpoints``, logged artifacts under MLflow, and the registry entry) unless it is one of:
-the champion, the previous champion, the challenger (every alias target), the trainee and its parents
+the champion, the previous champion, the challenger (what the store's lineage says; MLflow's aliases are its
+projection), the trainee and its parents
 within ``update.max_staleness`` (async mode and replay still read them), a base version (it is a
 manifest of a few bytes), or one of the last ``retention.keep_challengers`` challengers. The
 ``model_versions`` rows stay, with an empty path and a ``deleted`` kind suffix, so lineage and reports
@@ -17,25 +18,20 @@ from typing import Any
 
 import pandas as pd
 
+from evertrain.data.lineage import aliases
 from evertrain.runtime import Runtime
 
-ALIASES = ("champion", "previous_champion", "challenger")
 log = logging.getLogger("evertrain")
 
 
 def protected_versions(rt: Runtime) -> set[int]:
-    """Versions retention must never delete."""
-    keep = {v for v in (rt.tracker.alias(a) for a in ALIASES) if v is not None}
+    """Versions retention must never delete: the champion, the one before it and the challenger, as the store's
+    lineage says (MLflow's aliases are only its projection), and the trainee's recent ancestors."""
+    keep = {v for v in aliases(rt.store, rt.campaign).values() if v is not None}
     state = rt.store.campaign_state(rt.campaign)
     trainee = None if state is None or pd.isna(state["trainee_version"]) else int(state["trainee_version"])
     if trainee is not None:
         keep |= set(rt.store.ancestors(rt.campaign, trainee, rt.config.update.max_staleness))
-    # what the store's last decision made champion, in case an alias was moved by hand
-    from evertrain.report import current_champion
-
-    champion = current_champion(rt.store, rt.campaign)
-    if champion is not None:
-        keep.add(champion)
     return keep
 
 

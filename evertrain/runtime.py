@@ -239,11 +239,11 @@ class Runtime:
         if existing is None:
             base_dir = write_base_checkpoint(self.checkpoint_dir(-1).with_name("base"), self.base_model)
             version = self.tracker.register(base_dir, run_id=None, iteration=None)
-            self.tracker.set_alias("champion", version)
             path = self.stored_path(base_dir)
         else:  # the store was reset but MLflow remembers: keep MLflow's champion (no working copy: an
             # empty path makes checkpoint() fetch it from MLflow, wherever its artifacts are now)
             version, path = existing, ""
         self.store.record_version(self.campaign, version, -1, "base", path, None, replaces_iteration=False)
+        self.tracker.project_lineage(self.store, self.campaign)  # the base is the first champion: MLflow's alias
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evertrain.config import CampaignConfig
+from evertrain.data.lineage import aliases
 
 ITERATION_TAG = "evertrain.iteration"
 
@@ -184,15 +185,16 @@ class Tracker:
         self.client.set_registered_model_alias(self.model_name, alias, str(version))
 
     def project_lineage(self, store: Any, campaign: str) -> dict[str, int | None]:
-        """Point the ``champion`` and ``previous_champion`` aliases where the store's lineage says (the store is
-        the authority: promotion decisions and rollbacks, each one transaction; these aliases are its projection
-        for MLflow's users, ``models:/...@champion``). Idempotent: run again, it repairs an alias a crash between
-        the store's commit and this call left behind. Returns the aliases as they now are."""
-        champion, previous = store.champion_history(campaign)
-        for alias, version in (("champion", champion), ("previous_champion", previous)):
+        """Point the ``champion``, ``previous_champion`` and ``challenger`` aliases where the store's lineage says
+        (the store is the authority: versions registered, promotion decisions and rollbacks, each one transaction;
+        these aliases are its projection for MLflow's users, ``models:/...@champion``). Idempotent: run again, it
+        repairs an alias a crash between the store's commit and this call left behind. Returns the aliases as the
+        store has them."""
+        wanted = aliases(store, campaign)
+        for alias, version in wanted.items():
             if version is not None and self.alias(alias) != version:
                 self.set_alias(alias, version)
-        return {"champion": champion, "previous_champion": previous}
+        return wanted
 
     def versions_of(self, iteration: int) -> list[int]:
         """Model versions registered by the update of ``iteration`` (a rerun or a crash may leave several)."""

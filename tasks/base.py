@@ -71,7 +71,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     faults.current_stage.reset(token)
     wall, cpu = time.perf_counter() - wall0, cpu_seconds(rt.inference) - cpu0
     if stage == "score":  # how diverse the samples were, from the rollouts as stored (report and MLflow)
-        from evertrain.report import diversity_metrics
+        from evertrain.data.lineage import diversity_metrics
 
         metrics = {**metrics, **diversity_metrics(rt.store, rt.campaign, iteration)}
     metrics = {**metrics, "wall_s": wall, "cpu_s": cpu, "weight_sync_s": sync_seconds() - sync0,
@@ -80,7 +80,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
                           cpu_s=cpu, metrics=metrics, flow_run_id=flow_run_id)
     rt.tracker.log_metrics(run_id, {f"{stage}/{key}": value for key, value in metrics.items()}, step=iteration)
     if stage == "score":  # trajectories where people look: a sample of the scored rollouts, as an MLflow table
-        from evertrain.report import sample_rollouts
+        from evertrain.data.lineage import sample_rollouts
 
         rt.tracker.log_rollouts(run_id, iteration, sample_rollouts(rt.store, rt.campaign, iteration))
     if stage == "promote":  # the aliases have moved: checkpoints no alias or recent challenger needs can go

@@ -34,9 +34,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from functools import lru_cache
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -52,7 +50,7 @@ from evertrain.models.checkpoint import encode_chat
 from evertrain.models.precision import sampling_dtype
 from evertrain.runtime import Runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
-from evertrain.stats import bootstrap_means, sequential_boundaries
+from evertrain.stats import efficacy_boundaries, paired_bootstrap, z_statistic
 from evertrain.tasks.base import progress, run_stage
 
 
@@ -63,54 +61,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def paired_bootstrap(challenger: np.ndarray, champion: np.ndarray, strata: np.ndarray, samples: int,
-                     seed: int) -> dict[str, float]:
-    """Gain of challenger over champion on paired per-problem scores, with a bootstrap stratified by ``strata``
-    (:func:`evertrain.stats.bootstrap_means`)."""
-    diff = challenger.astype(float) - champion.astype(float)
-    means = bootstrap_means(diff, strata, samples, seed)
-    return {
-        "gain": float(diff.mean()), "p_better": float((means > 0).mean()),
-        "p_not_worse": float((means >= 0).mean()),
-        "gain_low": float(np.quantile(means, 0.025)), "gain_high": float(np.quantile(means, 0.975)),
-    }
-
-
-Z_CAP = 50.0  # beyond any boundary; keeps z finite for JSON and MLflow
-
-
-def z_statistic(challenger: np.ndarray, champion: np.ndarray, strata: np.ndarray) -> float:
-    """The paired, stratified z statistic of the challenger's gain: mean difference over its standard error."""
-    diff = challenger.astype(float) - champion.astype(float)
-    total = len(diff)
-    if not total:
-        return 0.0
-    variance = sum(len(part) * (part.var(ddof=1) if len(part) > 1 else 0.0)
-                   for part in (diff[strata == s] for s in np.unique(strata))) / total ** 2
-    mean = float(diff.mean())
-    if variance <= 0:  # every difference the same: no noise to weigh it against (capped: stored as JSON)
-        return math.copysign(Z_CAP, mean) if mean else 0.0
-    return max(-Z_CAP, min(Z_CAP, mean / math.sqrt(variance)))
-
-
-def alpha_spent(fraction: float, alpha: float) -> float:
-    """O'Brien-Fleming-type spending (Lan and DeMets): the share of the one-sided error ``alpha`` that may be
-    spent by information fraction t, 2 - 2 Phi(z_{1-alpha/2} / sqrt(t)): almost nothing early, alpha at t = 1."""
-    if fraction <= 0:
-        return 0.0
-    normal = NormalDist()
-    return min(alpha, 2 - 2 * normal.cdf(normal.inv_cdf(1 - alpha / 2) / math.sqrt(min(fraction, 1.0))))
-
-
-@lru_cache(maxsize=64)
-def efficacy_boundaries(fractions: tuple[float, ...], alpha: float) -> tuple[float, ...]:
-    """One-sided z boundaries at looks taken at ``fractions`` (increasing, the last 1) that together promote
-    a challenger no better than the champion with probability at most ``alpha``, spending
-    :func:`alpha_spent` of it by each look (:func:`evertrain.stats.sequential_boundaries`: the cumulative z
-    statistics at the looks are those of a Brownian motion observed at the fractions)."""
-    return sequential_boundaries(fractions, alpha, alpha_spent)
 
 
 def generation_key(rt: Runtime, problem: Problem) -> str:

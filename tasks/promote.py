@@ -26,15 +26,9 @@ from evertrain.approval import request_approval
 from evertrain.config import PromotionConfig
 from evertrain.data.store import StoreError, now, to_json
 from evertrain.runtime import Runtime, seed_for
+from evertrain.stats import paired_bootstrap, z_statistic
 from evertrain.tasks.base import run_stage
-from evertrain.tasks.evaluate import (
-    challenger_of,
-    champion_of,
-    evaluate_sealed,
-    paired_bootstrap,
-    stage_metrics,
-    z_statistic,
-)
+from evertrain.tasks.evaluate import challenger_of, champion_of, evaluate_sealed, stage_metrics
 
 
 def decide(frame: pd.DataFrame, rule: PromotionConfig, seed: int, boundary: float | None = None,
@@ -129,8 +123,8 @@ def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
     """The campaign's progress so far, as a figure on this iteration's MLflow run."""
     import matplotlib.pyplot as plt
 
+    from evertrain.data.lineage import iteration_report
     from evertrain.plots import progress_figure
-    from evertrain.report import iteration_report
 
     rows = [r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] <= iteration]
     figure = progress_figure(rows, f"campaign {rt.campaign} after iteration {iteration}")

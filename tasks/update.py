@@ -476,10 +476,11 @@ def _register(rt: Runtime, iteration: int, path: Path, start_version: int) -> in
         if old_version not in protected:
             rt.tracker.delete_version(old_version)
     version = rt.tracker.register(path, rt.tracker.run_id(iteration), iteration)
-    rt.tracker.set_alias("challenger", version)
-    # one store transaction: the version (replacing an earlier run's) and the trainee
+    # one store transaction: the version (replacing an earlier run's) and the trainee; MLflow's challenger alias is
+    # its projection, like the champion's
     rt.store.record_version(rt.campaign, version, iteration, rt.config.update.finetune, rt.stored_path(path),
                             start_version)
+    rt.tracker.project_lineage(rt.store, rt.campaign)
     return version
 
 

@@ -90,8 +90,8 @@ def test_mlflow_holds_runs_and_registry(finished_campaign):
 
 
 def test_report_lists_every_iteration(finished_campaign, tmp_path):
+    from evertrain.data.lineage import iteration_report
     from evertrain.plots import html_report
-    from evertrain.report import iteration_report
 
     config, rt, _ = finished_campaign
     rows = iteration_report(rt.store, config.name)
@@ -164,7 +164,7 @@ def test_each_iteration_logs_its_trajectories(finished_campaign, capsys):
     assert main(["show", "--campaign", config.name, "--iteration", "0", "--env", "digits", "--limit", "2",
                  "--store", config.paths.store]) == 0
     printed = capsys.readouterr().out
-    from evertrain.report import sample_rollouts
+    from evertrain.data.lineage import sample_rollouts
 
     shown = sample_rollouts(rt.store, config.name, 0, env="digits", per_env=2)
     assert len(shown) == 2 and {r["env"] for r in shown} == {"digits"}

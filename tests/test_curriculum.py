@@ -11,17 +11,22 @@ from pathlib import Path
 import pytest
 
 from evertrain.curriculum import (
+    LADDERS,
+    ArithmeticLadder,
     BandLadder,
+    Ladder,
     broad_ids,
     broad_problems,
     format_levels,
     ladder_for,
     levels_over_iterations,
+    register_ladder,
 )
+from evertrain.data.lineage import diversity, diversity_metrics
 from evertrain.envs import registry
 from evertrain.envs.quality import NgramIndex
-from evertrain.report import diversity, diversity_metrics, min_detectable_gain
 from evertrain.runtime import Runtime
+from evertrain.stats import min_detectable_gain
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
 
@@ -86,7 +91,7 @@ def test_level_advances_above_the_band_and_retreats_below(tmp_path, models_dir):
     assert lines[2] == "curriculum i=2: arithmetic 1/4 advance" and lines[4] == "curriculum i=4: arithmetic 0/4 retreat"
     runs = rt.tracker.client.search_runs([rt.tracker.experiment_id])
     assert any("curate/curriculum_level_arithmetic" in run.data.metrics for run in runs)
-    from evertrain.report import iteration_report
+    from evertrain.data.lineage import iteration_report
 
     assert [r["curriculum_levels"] for r in iteration_report(rt.store, rt.campaign)] == [
         {"arithmetic": level} for level in (0, 0, 1, 1, 0)]
@@ -426,3 +431,30 @@ def test_terminal_generated_held_out_tasks_are_new_tasks_of_the_trained_kinds():
     for problem in gate[:len(TEMPLATES)]:
         assert env.verify(problem, env.reference(problem) or "").passed, problem.payload["task"]
         assert not env.verify(problem, "<bash>\nls\n</bash>").passed
+
+
+def test_an_environment_outside_the_project_brings_its_own_ladder(monkeypatch):
+    """An environment declares its ladder by registering it for its class (no switch over the project's classes to
+    edit); its subclasses inherit it, a registration of the subclass itself wins, and the project's own are there."""
+    from evertrain.envs.arithmetic import Arithmetic
+    from evertrain.envs.base import Problem
+
+    class Outside(Arithmetic):  # as a plugin package would subclass a project environment, or Environment itself
+        name = "outside"
+
+    class TwoSteps(Ladder):
+        levels = 2
+
+        def problems(self, level: int, n: int, seed: int, history) -> list[Problem]:
+            return [Problem("outside", f"o{level}-{i}", f"step {level}", {"answer": str(level)}) for i in range(n)]
+
+        def describe(self, level: int) -> str:
+            return f"step {level}"
+
+    monkeypatch.setattr("evertrain.curriculum.LADDERS", dict(LADDERS))  # the registry as it was, after the test
+    assert isinstance(ladder_for(Outside()), ArithmeticLadder)  # inherited from the project's Arithmetic
+    register_ladder(Outside, TwoSteps)
+    ladder = ladder_for(Outside())
+    assert isinstance(ladder, TwoSteps) and ladder.levels == 2
+    assert [p.id for p in ladder.problems(1, 2, 0, lambda ids: {})] == ["o1-0", "o1-1"]
+    assert isinstance(ladder_for(registry.get("arithmetic")), ArithmeticLadder)  # the project's own: unchanged

@@ -12,7 +12,8 @@ import pytest
 
 from evertrain.data.store import Store
 from evertrain.drift import DRIFT_TAG, check, drift_flow, live_window
-from evertrain.serving.traces import FEEDBACK_COLUMNS, TRACE_COLUMNS, wilson
+from evertrain.serving.traces import FEEDBACK_COLUMNS, TRACE_COLUMNS
+from evertrain.stats import wilson
 from tests.conftest import smoke_config_in
 
 

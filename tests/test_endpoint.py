@@ -18,11 +18,11 @@ import httpx
 import openai
 import pytest
 
+from evertrain.data.lineage import live_pass_rates
 from evertrain.envs.base import Problem
 from evertrain.envs.tools import PythonTool
 from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, TRACE_HEADER, EndpointServer
-from evertrain.serving.traces import live_pass_rates
 from tests.conftest import smoke_config_in
 
 QUESTION = "What is 48213 * 7719?"

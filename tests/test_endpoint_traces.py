@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from evertrain.config import ConfigError, RedactionConfig, load_config
+from evertrain.data.lineage import live_pass_rates
 from evertrain.data.store import Store, now
 from evertrain.serving.redact import Redactor
-from evertrain.serving.traces import TraceWriter, feedback_row, live_pass_rates
+from evertrain.serving.traces import TraceWriter, feedback_row
 from tests.conftest import store_uri
 
 
@@ -50,7 +51,8 @@ def test_writer_commits_in_batches_and_compaction_merges_files(tmp_path):
     rates = live_pass_rates(store, "c").set_index("model_version")
     assert rates.loc[1, "requests"] == 500 and rates.loc[1, "pass_rate"] == pytest.approx(0.75)
     assert rates.loc[1, "low"] < 0.75 < rates.loc[1, "high"]
-    from evertrain.report import format_live, live_pass_rate
+    from evertrain.data.lineage import live_pass_rate
+    from evertrain.report import format_live
 
     lines = format_live(live_pass_rate(store, "c"))
     assert lines[1].startswith("  calculator [python] v1: 0.750 [") and lines[1].endswith("over 500 requests")
@@ -73,8 +75,8 @@ def test_the_html_page_plots_the_live_pass_rate_per_env_tool_and_version_over_ti
     import re
     from datetime import timedelta
 
+    from evertrain.data.lineage import live_pass_rate_over_time
     from evertrain.plots import html_report
-    from evertrain.report import live_pass_rate_over_time
 
     store = Store(store_uri(tmp_path))
     writer = TraceWriter(store, batch_rows=512, flush_seconds=0.2, compact_seconds=3600)

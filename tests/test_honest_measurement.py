@@ -19,16 +19,9 @@ from evertrain.config import CampaignConfig, PromotionConfig, UpdateConfig
 from evertrain.envs import registry
 from evertrain.envs.arithmetic import TRAIN_PHRASINGS, TRANSFER_PHRASINGS
 from evertrain.runtime import Runtime
+from evertrain.stats import alpha_spent, efficacy_boundaries, z_statistic
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
-from evertrain.tasks.evaluate import (
-    alpha_spent,
-    efficacy_boundaries,
-    eval_problems,
-    evaluate_sealed,
-    evaluate_version,
-    sealed_problems,
-    z_statistic,
-)
+from evertrain.tasks.evaluate import eval_problems, evaluate_sealed, evaluate_version, sealed_problems
 from evertrain.tasks.promote import decide
 from evertrain.tasks.update import Group, Member, gather_groups, normaliser_length, start_version_of
 from tests.conftest import smoke_config_in

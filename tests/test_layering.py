@@ -5,9 +5,15 @@ evertrain's code lives in four top-level folders imported under one namespace (`
 ``evertrain/``), a mapping that generic import tools (import-linter's grimp) do not follow, so the contracts
 are read here from the source with ``ast``, function-local imports included:
 
-- layers, highest first: flows (the orchestration) > tasks (the stages) > models (trainer and inference) >
-  envs (environments and verifiers) > sandbox (isolated execution). A module may import only its own layer or
-  those below it.
+- layers, highest first: flows (the orchestration) > tasks (the stages) > models (the learner) and inference, side
+  by side > envs (environments and verifiers) > sandbox (isolated execution). A module may import only its own
+  layer or those below it.
+- three parts apart (:data:`PARTS`): the **learner** (``evertrain.models``' loss, train step, data-parallel update
+  and log-probs) never imports inference, the orchestration or the store; **inference** (``evertrain.inference``)
+  never imports the learner, the orchestration or the store; both may import the **model files** they share
+  (checkpoints, precision, the shared forward pass, the embedded models), which import neither.
+- nothing imports upward across the store and the report: the store (``evertrain.data``) imports no part above
+  it, and the report (``evertrain.report``) does not import the endpoint (``evertrain.serving``).
 - nothing imports the CLI (it is the outermost shell).
 - no import cycles between modules.
 - no SQL outside the store: only ``evertrain/data/`` holds SQL statements (string literals that begin with
@@ -25,7 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"evertrain": "evertrain", "flows": "evertrain.flows", "tasks": "evertrain.tasks",
            "models": "evertrain.models"}
-LAYERS = ("evertrain.flows", "evertrain.tasks", "evertrain.models", "evertrain.envs", "evertrain.sandbox")
+# highest first; a tuple of packages is one layer of parts side by side (neither imports the other: PARTS says so)
+LAYERS: tuple[tuple[str, ...], ...] = (("evertrain.flows",), ("evertrain.tasks",),
+                                       ("evertrain.models", "evertrain.inference"), ("evertrain.envs",),
+                                       ("evertrain.sandbox",))
 CLI = "evertrain.cli"
 # the docs generator renders the CLI reference from the parser itself: reading the CLI is its job
 CLI_READERS = {"evertrain.docs_reference"}
@@ -74,11 +83,55 @@ def imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
                 yield f"{base}.{alias.name}", node.lineno
 
 
+def within(module: str, packages: tuple[str, ...] | frozenset[str] | set[str]) -> bool:
+    """Whether ``module`` is one of ``packages`` or inside one."""
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
 def layer_of(module: str) -> int | None:
     for index, layer in enumerate(LAYERS):
-        if module == layer or module.startswith(layer + "."):
+        if within(module, layer):
             return index
     return None
+
+
+# The parts of the system, by module (the most specific name wins); see part_of. The model files are what the learner
+# writes and inference reads (checkpoints, precision, the shared prefix-cached forward pass, the embedded models).
+MODEL_FILES = ("evertrain.models.checkpoint", "evertrain.models.precision", "evertrain.models.forward",
+               "evertrain.models.tiny", "evertrain.models.convert")
+PARTS: dict[str, tuple[str, ...]] = {
+    "orchestration": ("evertrain.flows", "evertrain.tasks", "evertrain.runtime", "evertrain.cluster",
+                      "evertrain.cli", "evertrain.serving", "evertrain.report", "evertrain.tracking",
+                      "evertrain.retention", "evertrain.approval", "evertrain.flywheel", "evertrain.drift",
+                      "evertrain.curriculum", "evertrain.mix", "evertrain.export", "evertrain.docs_reference"),
+    "store": ("evertrain.data",),
+    "learner": ("evertrain.models",),
+    "model files": MODEL_FILES,
+    "inference": ("evertrain.inference",),
+    "environments": ("evertrain.envs", "evertrain.scoring"),
+    "sandbox": ("evertrain.sandbox",),
+}
+# (part, parts it must never import, why)
+PART_CONTRACTS = (
+    ("learner", ("inference", "orchestration", "store"), "the learner trains on what it is given"),
+    ("inference", ("learner", "orchestration", "store"), "inference samples what it is asked"),
+    ("model files", ("learner", "inference", "orchestration", "store"), "both parts share them"),
+    ("store", ("orchestration", "learner", "inference"), "the store answers named questions, it asks none"),
+)
+# single imports that would run upward between two modules of one part
+UPWARD = (("evertrain.report", "evertrain.serving", "the report renders what the store answers, not the endpoint"),)
+
+
+def part_of(module: str) -> str:
+    """The part ``module`` belongs to (the package named most specifically wins); 'common' for the rest (config,
+    stats, processes, the small shared helpers)."""
+    best, length = "common", -1
+    for part, packages in PARTS.items():
+        for package in packages:
+            if within(module, (package,)) and len(package) > length:
+                best, length = part, len(package)
+    # the package's own __init__ (its one error, ModelError) is shared by every part that imports a model file
+    return "model files" if module == "evertrain.models" else best
 
 
 def violations(root: Path) -> list[str]:
@@ -93,12 +146,19 @@ def violations(root: Path) -> list[str]:
                 continue
             mine, theirs = layer_of(name), layer_of(imported)
             if mine is not None and theirs is not None and theirs < mine:
-                broken.append(f"{name}:{line} -> {imported} (imports a higher layer: {LAYERS[theirs]})")
+                broken.append(f"{name}:{line} -> {imported} (imports a higher layer: {', '.join(LAYERS[theirs])})")
             if (imported == CLI or imported.startswith(CLI + ".")) and name != CLI and name not in CLI_READERS:
                 broken.append(f"{name}:{line} -> {imported} (nothing imports the CLI)")
             target = imported
             while target and target not in found:
                 target = target.rpartition(".")[0]
+            module = target or imported  # the module a name was imported from (``evertrain.models.ModelError``)
+            for part, forbidden, why in PART_CONTRACTS:
+                if part_of(name) == part and part_of(module) in forbidden:
+                    broken.append(f"{name}:{line} -> {module} (the {part} imports the {part_of(module)}: {why})")
+            for lower, upper, why in UPWARD:
+                if within(name, (lower,)) and within(module, (upper,)):
+                    broken.append(f"{name}:{line} -> {module} (imports upward: {why})")
             # a package's own __init__ is not a dependency of its modules
             if target and target != name and not name.startswith(target + "."):
                 graph[name].add(target)
@@ -264,6 +324,96 @@ def test_a_violating_change_fails(tmp_path: Path) -> None:
     assert not any(v.startswith("evertrain.tasks.score") for v in found), found
 
 
+def test_each_part_contract_fails_on_a_planted_violation(tmp_path: Path) -> None:
+    """Learner, inference, model files, store and report: each forbidden import is caught (a test of the test), and
+    the imports the parts are allowed (the model files, a package's own error) are not."""
+    root = _tree(tmp_path, {
+        "models/grpo.py": "from evertrain.inference.local import sample\n"  # learner -> inference
+                          "from evertrain.models.checkpoint import load_policy\n",  # learner -> model files: fine
+        "models/logprobs.py": "def f():\n    from evertrain.runtime import Runtime\n",  # learner -> orchestration
+        "models/checkpoint.py": "from evertrain.models import ModelError\n"  # the package's own error: fine
+                                "from evertrain.models.grpo import policy_loss\n",  # model files -> learner
+        "models/__init__.py": "class ModelError(RuntimeError): ...\n",
+        "evertrain/inference/local.py": "from evertrain.models.grpo import train_step\n"  # inference -> learner
+                                        "from evertrain.models.forward import prefill\n"  # -> model files: fine
+                                        "from evertrain.models import ModelError\n",  # fine
+        "evertrain/inference/campaign.py": "from evertrain.data.store import Store\n",  # inference -> store
+        "evertrain/inference/ray_workers.py": "from evertrain.tasks import rollout\n",  # inference -> orchestration
+        "evertrain/data/store.py": "from evertrain.report import render\n",  # store -> orchestration
+        "evertrain/report.py": "from evertrain.serving.traces import wilson\n",  # upward
+        "evertrain/serving/traces.py": "",
+        "evertrain/runtime.py": "from evertrain.inference.campaign import Inference\n",  # orchestration: fine
+        "tasks/rollout.py": "from evertrain.inference.campaign import Inference\n",  # a stage -> inference: fine
+    })
+    found = violations(root)
+    expected = {
+        "evertrain.models.grpo:1 -> evertrain.inference.local (the learner imports the inference",
+        "evertrain.models.logprobs:2 -> evertrain.runtime (the learner imports the orchestration",
+        "evertrain.models.checkpoint:2 -> evertrain.models.grpo (the model files imports the learner",
+        "evertrain.inference.local:1 -> evertrain.models.grpo (the inference imports the learner",
+        "evertrain.inference.campaign:1 -> evertrain.data.store (the inference imports the store",
+        "evertrain.inference.ray_workers:1 -> evertrain.tasks (the inference imports the orchestration",
+        "evertrain.data.store:1 -> evertrain.report (the store imports the orchestration",
+        "evertrain.report:1 -> evertrain.serving.traces (imports upward",
+    }
+    for start in expected:
+        assert any(v.startswith(start) for v in found), (start, found)
+    assert not any(v.startswith(("evertrain.runtime", "evertrain.tasks.rollout")) for v in found), found
+    assert not any("ModelError" in v or "evertrain.models.forward" in v or "-> evertrain.models.checkpoint" in v
+                   for v in found if not v.startswith("import cycle:")), found
+    # the stage importing inference is allowed; inference importing a stage is also an upward layer break
+    assert any(v.startswith("evertrain.inference.ray_workers:1 -> evertrain.tasks (imports a higher layer")
+               for v in found), found
+
+
+# --- the structure picture (docs/concepts/layout.md), drawn from the same import graph -------------------------
+
+PICTURE = ROOT / "docs" / "concepts" / "layout.md"
+PICTURE_START, PICTURE_END = "<!-- parts: generated by tests/test_layering.py -->", "<!-- end of parts -->"
+
+
+def part_edges(root: Path) -> dict[tuple[str, str], int]:
+    """How many module-to-module imports run from each part to each other part."""
+    found = modules(root)
+    edges: dict[tuple[str, str], int] = {}
+    for name, path in found.items():
+        targets = set()
+        for imported, _ in imports(name, path):
+            target = imported
+            while target and target not in found:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                targets.add(target)
+        for target in targets:
+            pair = (part_of(name), part_of(target))
+            if pair[0] != pair[1]:
+                edges[pair] = edges.get(pair, 0) + 1
+    return edges
+
+
+def mermaid(root: Path) -> str:
+    """The parts and the imports between them as a mermaid flowchart (an arrow: some module of one imports one of
+    the other; counts are left out, so the picture changes only when a new dependency between parts appears)."""
+    ids = {part: part.replace(" ", "_") for part in [*PARTS, "common"]}
+    lines = ["```mermaid", "flowchart TD"]
+    lines += [f'    {ids[part]}["{part}"]' for part in ids]
+    lines += [f"    {ids[source]} --> {ids[target]}" for source, target in sorted(part_edges(root))]
+    return "\n".join([*lines, "```"])
+
+
+def test_the_structure_picture_is_drawn_from_the_current_imports() -> None:
+    """docs/concepts/layout.md's picture is this graph as it is now (regenerate: python tests/test_layering.py)."""
+    text = PICTURE.read_text()
+    drawn = text.split(PICTURE_START)[1].split(PICTURE_END)[0].strip()
+    assert drawn == mermaid(ROOT), "the picture is stale: run python tests/test_layering.py"
+    edges = part_edges(ROOT)
+    # apart: neither of learner and inference imports the other, and neither imports the orchestration or the store
+    for a, b in (("learner", "inference"), ("inference", "learner"), ("learner", "orchestration"),
+                 ("inference", "orchestration"), ("learner", "store"), ("inference", "store")):
+        assert (a, b) not in edges, (a, b)
+    assert ("orchestration", "inference") in edges and ("orchestration", "learner") in edges
+
+
 MAX_STAGE_FUNCTION_LINES = 80  # a stage's function a reader holds in their head (issue 24)
 
 
@@ -285,3 +435,9 @@ def test_a_long_stage_function_fails_the_check() -> None:
     body = "\n".join(f"    x{i} = {i}" for i in range(85))
     assert long_functions(f"def stage() -> None:\n{body}\n") == [("stage", 86)]
     assert long_functions("def short() -> None:\n    return None\n") == []
+
+
+if __name__ == "__main__":  # redraw the picture in docs/concepts/layout.md
+    text = PICTURE.read_text()
+    head, rest = text.split(PICTURE_START)
+    PICTURE.write_text(f"{head}{PICTURE_START}\n{mermaid(ROOT)}\n{PICTURE_END}{rest.split(PICTURE_END)[1]}")

@@ -155,7 +155,7 @@ def test_a_store_made_before_migrations_upgrades_and_keeps_its_rows(tmp_path: Pa
         # the named queries read the old rows
         assert store.base_version("c") == 1
         assert store.rollouts_for_update("c", 0, 0)["completion_ids"].map(list).tolist() == [[3], [4]]
-        assert store.champion_from_events("c") == 2  # the promotion promoted v2
+        assert store.champion_history("c")[0] == 2  # the promotion promoted v2
         assert store.lineage("c", 2) == [{"version": 2, "iteration": 0, "kind": "lora"},
                                          {"version": 1, "iteration": -1, "kind": "base"}]  # the base: NULL parent
     finally:

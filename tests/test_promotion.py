@@ -51,7 +51,7 @@ def test_gate_blocks_a_regression_hidden_by_an_average_gain():
 
 
 def test_futility_counts_ties_as_not_worse():
-    from evertrain.tasks.evaluate import paired_bootstrap
+    from evertrain.stats import paired_bootstrap
 
     # the challenger lost one of 57 problems and won none: no bootstrap mean is above 0, so P(better) is 0,
     # but that is no evidence that the rest of the evaluation is futile

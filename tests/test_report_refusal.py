@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 
+from evertrain.data.lineage import last_refusal
 from evertrain.data.store import Store
-from evertrain.report import format_refusal, last_refusal
+from evertrain.report import format_refusal
 
 NOW = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
 

@@ -331,10 +331,12 @@ class Queries:
                            [campaign, iteration])
         return None if frame.empty else int(frame["champion_version"].iloc[0])
 
-    def champion_from_events(self, campaign: str) -> int | None:
-        """The champion after the campaign's last promotion decision or rollback, as the store recorded them."""
-        return _number(self.scalar(f"SELECT v FROM ({_CHAMPION_EVENTS}) ORDER BY stamp DESC LIMIT 1",
-                                   {"campaign": campaign}))
+    def latest_challenger(self, campaign: str) -> int | None:
+        """The newest version an update registered and retention has not deleted (None before any): what MLflow's
+        ``challenger`` alias projects."""
+        return _number(self.scalar(
+            """SELECT max(version) FROM model_versions
+               WHERE campaign = ? AND kind <> 'base' AND NOT ends_with(kind, '-deleted')""", [campaign]))
 
     def gate_history(self, campaign: str, before: int) -> pd.DataFrame:
         """The gate decisions before ``before``, newest first, with a person's refusal: promoted, reset_trainee,

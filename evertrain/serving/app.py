@@ -311,7 +311,7 @@ class Endpoint:
         """Log the live pass rate per environment and tool to MLflow (run 'endpoint'): the served version's
         as ``live_pass_rate/<env>/<tool>``, every version's as ``live_pass_rate/v<N>/<env>/<tool>``, and the
         plot over time as the artifact ``live_pass_rate.png``; returns the metrics logged."""
-        from evertrain.serving.traces import live_pass_rates
+        from evertrain.data.lineage import live_pass_rates
 
         served = self.champion.current
         if served is None:
@@ -342,8 +342,8 @@ class Endpoint:
     def _log_live_plot(self, tracker: Any) -> None:
         import matplotlib.pyplot as plt
 
+        from evertrain.data.lineage import live_pass_rate_over_time
         from evertrain.plots import live_pass_rate_figure
-        from evertrain.report import live_pass_rate_over_time
 
         series = live_pass_rate_over_time(self.store, self.config.name)
         if not series:

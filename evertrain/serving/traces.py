@@ -145,39 +145,3 @@ def feedback_row(trace_id: str, campaign: str, source: str, passed: bool, reward
 
     return {"trace_id": trace_id, "campaign": campaign, "source": source, "passed": bool(passed),
             "reward": None if reward is None else float(reward), "detail": to_json(detail), "created_at": now()}
-
-
-def live_pass_rates(store: Store, campaign: str, bucket_minutes: float | None = None) -> pd.DataFrame:
-    """Pass rate of the served model per environment, tool and model version (and per time bucket of
-    ``bucket_minutes`` when given), from the traces that have an outcome. Columns: env, tools,
-    model_version, [bucket,] requests, passed, pass_rate, low, high (a 95% Wilson interval)."""
-    frame = store.trace_outcome_counts(campaign, max(1, round(bucket_minutes * 60)) if bucket_minutes else None)
-    if frame.empty:
-        return frame.assign(pass_rate=[], low=[], high=[])
-    rates = [wilson(int(p), int(n)) for p, n in zip(frame["passed"], frame["requests"], strict=True)]
-    frame["pass_rate"] = frame["passed"] / frame["requests"]
-    frame["low"] = [r[0] for r in rates]
-    frame["high"] = [r[1] for r in rates]
-    return frame
-
-
-def live_pass_rate_series(store: Store, campaign: str, points: int = 24) -> pd.DataFrame:
-    """:func:`live_pass_rates` over time: the span from the first to the last trace with an outcome cut into
-    about ``points`` equal buckets (at least one second each), so the series reads alike over an afternoon's
-    demo and a month of traffic. Columns as :func:`live_pass_rates`, with ``bucket`` (the bucket's start)."""
-    first, last = store.trace_outcome_span(campaign)
-    if first is None or pd.isna(first):
-        return live_pass_rates(store, campaign).assign(bucket=[])
-    seconds = (pd.Timestamp(last) - pd.Timestamp(first)).total_seconds()
-    width = max(1, int(seconds / max(points, 1)) + 1)
-    return live_pass_rates(store, campaign, bucket_minutes=width / 60)
-
-
-def wilson(passed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95% Wilson score interval of a pass rate (sound at 0 and 1 passes, unlike the normal one)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = passed / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
