@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from evertrain import faults
+from evertrain.data.lineage import diversity_metrics, sample_rollouts
 from evertrain.data.store import now
 from evertrain.inference.base import sync_seconds
 from evertrain.models.precision import resolve_device
@@ -71,8 +72,6 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     faults.current_stage.reset(token)
     wall, cpu = time.perf_counter() - wall0, cpu_seconds(rt.inference) - cpu0
     if stage == "score":  # how diverse the samples were, from the rollouts as stored (report and MLflow)
-        from evertrain.data.lineage import diversity_metrics
-
         metrics = {**metrics, **diversity_metrics(rt.store, rt.campaign, iteration)}
     metrics = {**metrics, "wall_s": wall, "cpu_s": cpu, "weight_sync_s": sync_seconds() - sync0,
                **stage_cost(rt, metrics, wall, cpu)}
@@ -80,8 +79,6 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
                           cpu_s=cpu, metrics=metrics, flow_run_id=flow_run_id)
     rt.tracker.log_metrics(run_id, {f"{stage}/{key}": value for key, value in metrics.items()}, step=iteration)
     if stage == "score":  # trajectories where people look: a sample of the scored rollouts, as an MLflow table
-        from evertrain.data.lineage import sample_rollouts
-
         rt.tracker.log_rollouts(run_id, iteration, sample_rollouts(rt.store, rt.campaign, iteration))
     if stage == "promote":  # the aliases have moved: checkpoints no alias or recent challenger needs can go
         from evertrain.retention import apply_retention

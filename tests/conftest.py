@@ -142,7 +142,8 @@ def preloaded():
 # one core at the end while the other idles. `make test` passes --no-loadscope-reorder: xdist otherwise
 # reorders the files by their number of tests, which put the long one-test files (servers, deployments) last.
 LONGEST_FIRST = ("test_servers.py", "test_vllm.py", "test_deployments.py", "test_endpoint_vllm.py", "test_ray.py",
-                 "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py", "test_crash_safety.py",
+                 "test_ray_nodes.py", "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py",
+                 "test_crash_safety.py",
                  "test_endpoint.py", "test_adversarial_sandbox.py", "test_approval.py", "test_accelerate.py",
                  "test_curriculum.py", "test_notebook.py", "test_portable.py", "test_tool_rollout.py",
                  "test_update_data_parallel.py", "test_adversarial.py", "test_backends.py", "test_async.py",

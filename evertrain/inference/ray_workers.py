@@ -154,6 +154,10 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def load(self, packed: PackedCheckpoint) -> float:
         """Load ``packed`` unless it is the checkpoint already held; returns the seconds it took."""
         if packed.key == self.key:
