@@ -366,6 +366,32 @@ def test_each_part_contract_fails_on_a_planted_violation(tmp_path: Path) -> None
                for v in found), found
 
 
+BACKEND_NAMES = {"hf", "vllm", "vllm-server"}
+BACKEND_HOMES = ("evertrain.inference", "evertrain.config")  # where the backends are named and chosen
+
+
+def backend_name_tests(root: Path) -> list[str]:
+    """'module:line' of every comparison with a backend's name outside inference and the config: a caller asks a
+    backend's declared capabilities, never its name."""
+    found = []
+    for name, path in sorted(modules(root).items()):
+        if within(name, BACKEND_HOMES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, ast.Constant) and side.value in BACKEND_NAMES
+                    for side in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_caller_tests_a_backends_name(tmp_path: Path) -> None:
+    assert backend_name_tests(ROOT) == []
+    planted = _tree(tmp_path, {"evertrain/serving/app.py": "def f(config):\n    return resolve(config) == 'vllm'\n",
+                               "evertrain/inference/backends.py": "def g(name):\n    return name == 'hf'\n"})
+    assert backend_name_tests(planted) == ["evertrain.serving.app:2"]
+
+
 # --- the structure picture (docs/concepts/layout.md), drawn from the same import graph -------------------------
 
 PICTURE = ROOT / "docs" / "concepts" / "layout.md"
