@@ -14,6 +14,7 @@ from evertrain.data.lineage import diversity_metrics, sample_rollouts
 from evertrain.data.store import now
 from evertrain.inference.base import sync_seconds
 from evertrain.models.precision import resolve_device
+from evertrain.retention import apply_retention
 from evertrain.runtime import Runtime
 
 STAGES = ("curate", "rollout", "score", "update", "evaluate", "promote")
@@ -81,8 +82,6 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     if stage == "score":  # trajectories where people look: a sample of the scored rollouts, as an MLflow table
         rt.tracker.log_rollouts(run_id, iteration, sample_rollouts(rt.store, rt.campaign, iteration))
     if stage == "promote":  # the aliases have moved: checkpoints no alias or recent challenger needs can go
-        from evertrain.retention import apply_retention
-
         apply_retention(rt)
     if stage == STAGES[-1] or previous_status == "FINISHED":
         rt.tracker.finish_run(run_id)

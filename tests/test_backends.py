@@ -217,6 +217,7 @@ def test_checkpoint_digest_follows_content_not_path_or_time(tmp_path):
 def test_the_gate_cache_key_asks_the_capability(smoke_config, tmp_path):
     """The evaluation cache key of an hf campaign is unchanged; one on vLLM differs (other answers)."""
     from evertrain.envs.base import Problem
+    from evertrain.inference.campaign import Inference
     from evertrain.runtime import Runtime
     from evertrain.tasks.evaluate import generation_key
 
@@ -226,7 +227,7 @@ def test_the_gate_cache_key_asks_the_capability(smoke_config, tmp_path):
     hf_key = generation_key(rt, problem)
     vllm = smoke_config.model_copy(update={"generation": smoke_config.generation.model_copy(
         update={"backend": "vllm"})})
-    rt_vllm = SimpleNamespace(config=vllm, env=rt.env)
+    rt_vllm = SimpleNamespace(config=vllm, env=rt.env, inference=Inference(vllm, rt.env))  # nothing started
     assert generation_key(rt_vllm, problem) != hf_key
 
 
