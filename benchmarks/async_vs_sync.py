@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
     args = parser.parse_args()
     os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     from benchmarks.common import print_table, save

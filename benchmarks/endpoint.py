@@ -84,7 +84,8 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
-    from evertrain.runtime import Runtime, quiet_libraries
+    from evertrain.quiet import quiet_libraries
+    from evertrain.runtime import Runtime
 
     quiet_libraries()
     import openai

@@ -58,7 +58,7 @@ def sampling_and_update(args: argparse.Namespace, record: dict[str, Any]) -> Non
     from evertrain.config import CampaignConfig
     from evertrain.envs import registry
     from evertrain.inference.backends import open_sampler
-    from evertrain.inference.vllm import Engines
+    from evertrain.inference.vllm_sampler import Engines
     from evertrain.models.checkpoint import encode_chat, load_policy, save_checkpoint, write_base_checkpoint
     from evertrain.models.grpo import LossNorm, group_advantages, policy_loss
     from evertrain.models.logprobs import grouped_logprobs

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--name", default="iteration")
     args = parser.parse_args()
     os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     from evertrain.config import load_config

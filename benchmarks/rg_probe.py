@@ -162,7 +162,7 @@ def main() -> None:
         for name, (generator, config) in CANDIDATES.items():
             print(f"{name:32s} rg:{generator} {json.dumps(config)}")
         return
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     import torch

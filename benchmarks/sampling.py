@@ -31,7 +31,7 @@ def cpu() -> float:
 
 
 def process_tree_cpu(pid: int) -> float:
-    from evertrain.inference.vllm import process_tree_cpu as tree
+    from evertrain.inference.vllm_sampler import process_tree_cpu as tree
 
     return tree(pid)
 
@@ -63,14 +63,14 @@ def main() -> None:
                         help="write benchmarks/results/<name>.json (another machine's numbers beside this one's)")
     parser.add_argument("--backends", default="hf:float32,vllm:bfloat16,hf:bfloat16,vllm:float32")
     args = parser.parse_args()
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     from benchmarks.common import print_table, save
     from evertrain.config import CampaignConfig
     from evertrain.envs import registry
     from evertrain.inference.backends import open_sampler
-    from evertrain.inference.vllm import Engines
+    from evertrain.inference.vllm_sampler import Engines
     from evertrain.models.checkpoint import encode_chat, write_base_checkpoint
     from evertrain.models.convert import convert_smollm2
     from evertrain.models.precision import set_threads

@@ -163,7 +163,7 @@ def main() -> None:
     from evertrain.inference.ray_workers import disconnect_ray
     from evertrain.models.checkpoint import resolve_base
     from evertrain.models.precision import set_threads
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     directory = Path(tempfile.mkdtemp(prefix="evertrain-scale-"))

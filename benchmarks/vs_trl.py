@@ -169,7 +169,7 @@ def shared_settings(config: Any) -> dict[str, Any]:
 # --- evertrain: the real campaign flow, one iteration at a time -----------------------------------------
 
 def train_evertrain(args: argparse.Namespace, scratch: Path, out: Path) -> None:
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     config = campaign_config(args, scratch)
@@ -347,7 +347,7 @@ def warm_start(config: Any, env: Any, train: list[Any], model: Any, tokenizer: A
 
 def train_trl(args: argparse.Namespace, scratch: Path, out: Path, base_model: str, warm: bool = False) -> None:
     """TRL's GRPOTrainer until the CPU budget is spent; ``warm``: after :func:`warm_start`, counted in it."""
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     config = campaign_config(args, scratch)
@@ -1020,7 +1020,7 @@ def main() -> None:
     if unknown or not systems or not seeds:
         parser.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}" if unknown else "nothing to run")
     systems = [s for s in SYSTEMS if s in systems]  # evertrain first: TRL's budget is what it spent
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
     from benchmarks.common import machine, save

@@ -15,7 +15,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 def _environment() -> None:
     os.environ.setdefault("PREFECT_HOME", str(PROJECT_ROOT / ".prefect"))
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
 
     quiet_libraries()
 

@@ -22,7 +22,7 @@ from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem, Verdict
 from evertrain.envs.quality import SELFTEST_VERSION, validate
 from evertrain.inference.campaign import Inference
-from evertrain.inference.vllm import Engines
+from evertrain.inference.vllm_sampler import Engines
 from evertrain.models.checkpoint import resolve_base, write_base_checkpoint
 from evertrain.models.precision import set_threads
 from evertrain.portable import portable, resolve_under

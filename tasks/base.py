@@ -90,7 +90,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
 
 def cpu_seconds(engines: Any = None) -> float:
     """CPU seconds of this process (every thread), of its finished children (sandboxed graders) and of the
-    running vLLM engines of ``engines`` (a campaign's inference, or an ``evertrain.inference.vllm.Engines``: the
+    running vLLM engines of ``engines`` (a campaign's inference, or an ``evertrain.inference.vllm_sampler.Engines``: the
     sampling a stage waits on)."""
     t = os.times()
     engine_cpu = engines.cpu_seconds() if engines is not None else 0.0

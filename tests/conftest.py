@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("EVERTRAIN_PROGRESS", "0")
 
 from evertrain.config import CampaignConfig, load_config
-from evertrain.runtime import quiet_libraries
+from evertrain.quiet import quiet_libraries
 
 quiet_libraries()
 

@@ -56,7 +56,7 @@ def _reply(logprobs: list[float] | None, ids: tuple[int, ...] = (65, 66, 67)) ->
 
 @pytest.mark.parametrize("logprobs", [None, [], [-0.5, -0.7]], ids=["none", "empty", "short"])
 def test_missing_vllm_logprobs_raise(models_dir, tmp_path, logprobs):
-    from evertrain.inference.vllm import EngineError, VLLMSampler
+    from evertrain.inference.vllm_sampler import EngineError, VLLMSampler
 
     model = models_dir / "tiny-llama"
     sampler = VLLMSampler(_Socketless(model, _reply(logprobs)), write_base_checkpoint(tmp_path / "b", str(model)))
@@ -66,7 +66,7 @@ def test_missing_vllm_logprobs_raise(models_dir, tmp_path, logprobs):
 
 
 def test_complete_vllm_logprobs_pass_through(models_dir, tmp_path):
-    from evertrain.inference.vllm import VLLMSampler
+    from evertrain.inference.vllm_sampler import VLLMSampler
 
     model = models_dir / "tiny-llama"
     sampler = VLLMSampler(_Socketless(model, _reply([-0.5, -0.7, -0.1])),
@@ -80,7 +80,7 @@ def test_complete_vllm_logprobs_pass_through(models_dir, tmp_path):
 def test_embedded_tiny_model_runs_on_every_backend(tmp_path):
     from evertrain.inference.backends import backend_for, check_backend
     from evertrain.inference.base import BackendWarning
-    from evertrain.inference.vllm import VLLM_CPU_HEAD_SIZES
+    from evertrain.inference.vllm_sampler import VLLM_CPU_HEAD_SIZES
     from evertrain.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
@@ -101,7 +101,7 @@ def test_embedded_tiny_model_runs_on_every_backend(tmp_path):
 def test_vllm_refuses_a_head_size_its_cpu_attention_cannot_run(tmp_path):
     from evertrain.inference.backends import check_backend, open_sampler
     from evertrain.inference.base import BackendError
-    from evertrain.inference.vllm import Engines
+    from evertrain.inference.vllm_sampler import Engines
     from evertrain.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "head16", hidden=64, heads=4)

@@ -28,7 +28,7 @@ def test_no_module_level_locator_or_resource_cache_is_left():
                           "evertrain.data.store": ("open_store", "close_store", "_open"),
                           "evertrain.cluster": ("get_cluster", "shutdown_clusters", "_clusters"),
                           "evertrain.inference.ray_workers": ("get_cluster", "shutdown_clusters", "_clusters"),
-                          "evertrain.inference.vllm": ("get_engine", "shutdown_engines", "_engines"),
+                          "evertrain.inference.vllm_sampler": ("get_engine", "shutdown_engines", "_engines"),
                           "evertrain.inference.campaign": ("get_engine", "shutdown_engines", "_engines")}.items():
         loaded = importlib.import_module(module)
         assert not [name for name in names if hasattr(loaded, name)], module
@@ -134,7 +134,7 @@ def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
     from evertrain.inference.backends import open_sampler
     from evertrain.inference.base import BackendError
     from evertrain.inference.campaign import InferenceClosed
-    from evertrain.inference.vllm import Engines
+    from evertrain.inference.vllm_sampler import Engines
     from evertrain.models.checkpoint import write_base_checkpoint
     from evertrain.runtime import Runtime
 
@@ -159,7 +159,7 @@ def test_a_vllm_sampler_needs_an_owner_for_its_engine(tmp_path, models_dir):
 
 def test_a_closed_context_leaves_lent_engines_running_and_stops_its_own(tmp_path, models_dir, monkeypatch):
     from evertrain.inference import campaign
-    from evertrain.inference.vllm import Engines
+    from evertrain.inference.vllm_sampler import Engines
     from evertrain.runtime import Runtime
 
     class Recorded(Engines):

@@ -47,7 +47,7 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines():
     """The engines this module's samplers run on (one per model and settings), stopped at its end."""
-    from evertrain.inference.vllm import Engines
+    from evertrain.inference.vllm_sampler import Engines
 
     owned = Engines()
     yield owned
@@ -108,7 +108,7 @@ def test_lora_versions_reach_one_engine_and_logprobs_match_the_trainer(vllm_mode
     from peft import LoraConfig, get_peft_model
 
     from evertrain.inference.backends import open_sampler
-    from evertrain.inference.vllm import VLLMSampler
+    from evertrain.inference.vllm_sampler import VLLMSampler
 
     config = _config(vllm_model)
     base = write_base_checkpoint(tmp_path / "base", str(vllm_model))

@@ -2,7 +2,7 @@
 
 - :mod:`~evertrain.inference.base`: the :class:`Sampler` interface, its :class:`Capabilities`, what it returns;
 - :mod:`~evertrain.inference.local`: the in-house sampler (``generation.backend = "hf"``);
-- :mod:`~evertrain.inference.vllm` and :mod:`~evertrain.inference.vllm_engine`: a vLLM engine process;
+- :mod:`~evertrain.inference.vllm_sampler` and :mod:`~evertrain.inference.vllm_engine`: a vLLM engine process;
 - :mod:`~evertrain.inference.vllm_server`: vLLM's own OpenAI server, for the endpoint;
 - :mod:`~evertrain.inference.backends`: the backends, what each refuses and warns of, how each opens a checkpoint;
 - :mod:`~evertrain.inference.episodes`: single- and multi-turn (tool) episodes over any sampler;

@@ -1,7 +1,7 @@
 """The rollout backends: what each can do, what each refuses or warns of at start, how each opens a checkpoint.
 
 ``hf`` is the in-house sampler (:mod:`evertrain.inference.local`, the weights in this process); ``vllm`` a vLLM
-engine process (:mod:`evertrain.inference.vllm`), and, for the endpoint, vLLM's own OpenAI server
+engine process (:mod:`evertrain.inference.vllm_sampler`), and, for the endpoint, vLLM's own OpenAI server
 (:mod:`evertrain.inference.vllm_server`). Every backend declares its :class:`~evertrain.inference.base.Capabilities`
 and the parts it has; callers ask those, never the backend's name. :func:`check_backend` runs at a campaign's
 start: it refuses what a backend cannot run (naming the cause) and warns of settings it cannot honour.
@@ -26,7 +26,7 @@ from evertrain.inference.base import (
     record_sync,
 )
 from evertrain.inference.local import open_local
-from evertrain.inference.vllm import Engines, open_vllm, refuse_vllm, vllm_python
+from evertrain.inference.vllm_sampler import Engines, open_vllm, refuse_vllm, vllm_python
 from evertrain.inference.vllm_server import VLLMServers
 from evertrain.models.precision import resolve_device
 

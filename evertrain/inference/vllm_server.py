@@ -37,7 +37,7 @@ import httpx
 
 from evertrain.config import CampaignConfig
 from evertrain.inference.base import VLLM_CAPABILITIES, Sample, SamplingStats
-from evertrain.inference.vllm import engine_options, vllm_python
+from evertrain.inference.vllm_sampler import engine_options, vllm_python
 from evertrain.models.checkpoint import load_tokenizer, read_manifest
 
 log = logging.getLogger("evertrain.serving")

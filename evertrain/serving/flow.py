@@ -11,7 +11,7 @@ from evertrain.config import CampaignConfig
 @flow(name="endpoint", log_prints=True)
 def endpoint_flow(config: CampaignConfig, host: str | None = None, port: int | None = None) -> None:
     """Serve the campaign's champion (OpenAI-compatible chat completions) until the run is cancelled."""
-    from evertrain.runtime import quiet_libraries
+    from evertrain.quiet import quiet_libraries
     from evertrain.serving.app import serve
 
     quiet_libraries()
