@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from evertrain.envs.base import Problem
 from evertrain.envs.quality import bad_battery
 from evertrain.envs.terminal import MAX_COMMAND_CHARS, Terminal
@@ -132,3 +130,162 @@ def test_the_in_episode_grade_and_the_stored_episode_grade_agree_on_every_self_t
         results = list(pool.map(grade, cases))
     assert len(results) > 10
     assert [r for r in results if not r[1] == r[2] == r[3]] == []
+
+
+# -- 3. move lists validated move by move ------------------------------------------------------------
+
+
+def _rush_hour_solution(config: str, limit: int = 50_000) -> list[str] | None:
+    """A shortest solution by breadth-first search over the board (test data for the honest control)."""
+    from collections import deque
+
+    from evertrain.envs.reasoning_gym import rush_hour_pieces, rush_hour_step
+
+    pieces, walls = rush_hour_pieces(config)
+    start = tuple(position for position, _, _ in pieces)
+    seen: dict[tuple[int, ...], tuple[tuple[int, ...], str] | None] = {start: None}
+    queue = deque([start])
+    while queue and len(seen) < limit:
+        state = queue.popleft()
+        if state[0] == 16:
+            moves = []
+            while (back := seen[state]) is not None:
+                state, move = back
+                moves.append(move)
+            return moves[::-1]
+        for index in range(len(pieces)):
+            for direction in (1, -1):
+                positions = list(state)
+                for steps in range(1, 6):
+                    step = rush_hour_step(pieces, positions, walls, index, direction)
+                    if step is None:
+                        break
+                    positions[index] = step
+                    if tuple(positions) not in seen:
+                        seen[tuple(positions)] = (state, f"{chr(65 + index)}{'+' if direction > 0 else '-'}{steps}")
+                        queue.append(tuple(positions))
+    return None
+
+
+def _sokoban_blocked(payload: dict, move: str) -> bool:
+    """Whether the player's first move ``move`` is one the board refuses (reasoning-gym's own game)."""
+    import numpy as np
+    from reasoning_gym.games.contrib.sokoban.src.game import Game
+
+    rows = [list(line) for line in payload["metadata"]["gamestr"].replace(" ", "").strip().split("\n")]
+    game = Game(height=len(rows), width=len(rows[0]))
+    game.load_puzzle_matrix(np.array(rows))
+    return game.player.update(key=move) == 0
+
+
+def test_move_lists_fail_on_an_illegal_move_or_a_spray() -> None:
+    """Before: rush_hour and sokoban skipped the moves they could not make and never counted moves: a real
+    solution behind impossible moves, or behind a long spray, earned 1.0."""
+    from evertrain.envs.reasoning_gym import ReasoningGym
+
+    sokoban = ReasoningGym("sokoban", eval_size=1)  # its generator is slow: a pool of one
+    problem = sokoban.problems("eval", 1, 0)[0]
+    oracle = problem.payload["answer"]
+    blocked = next(move for move in "LRUD" if _sokoban_blocked(problem.payload, move))
+    cases = [(sokoban, problem, "#### " + oracle, 1.0),
+             (sokoban, problem, "#### " + blocked + oracle, 0.0),  # a move into a wall, skipped before
+             (sokoban, problem, "#### X" + oracle, 0.0),  # a letter that is no move
+             (sokoban, problem, "#### " + "LR" * (len(oracle) + 10) + oracle, 0.0)]  # a spray in front
+    # a move into a wall, then the solution: the wall is found by trying each direction from the start
+    rush = ReasoningGym("rush_hour", eval_size=20)
+    # the held-out item with the fewest moves: its breadth-first search takes about a second
+    item = min(rush.problems("eval", 20, 0), key=lambda p: p.payload["metadata"]["min_moves"])
+    solution = _rush_hour_solution(item.payload["metadata"]["board_config"]) or []
+    assert len(solution) == item.payload["metadata"]["min_moves"]
+    cars = sorted({move[0] for move in solution})
+    spray = " ".join(f"{car}+1 {car}-1" for car in cars) * 20
+    cases += [(rush, item, "#### " + " ".join(solution), 1.0),
+              (rush, item, "#### Z+1 " + " ".join(solution), 0.0),  # a car that does not exist
+              (rush, item, "#### A-9 " + " ".join(solution), 0.0),  # past the edge
+              (rush, item, "#### " + spray + " " + " ".join(solution), 0.0)]
+    wrong = [(env.name, text[:60], v.reward, v.reason) for env, p, text, expect in cases
+             if (v := env.verify(p, text)).reward != expect]
+    assert not wrong
+
+
+# -- 4. numbers read whole by the one reader; the tolerance class ------------------------------------
+
+
+def test_wrapped_scorers_read_a_number_whole() -> None:
+    """Before: gsm_symbolic's scorer skipped a sign or point and ignored a unit after the number, chain_sum's
+    deleted a misplaced comma, and number_sorting accepted integers where the numbers have decimals (and
+    any number within 1): all of these earned 1.0."""
+    from evertrain.envs.reasoning_gym import ReasoningGym
+
+    gsm = ReasoningGym("gsm_symbolic")
+    problem = next(p for p in gsm.problems("eval", 10, 0) if len(p.payload["answer"]) >= 2
+                   and p.payload["answer"].isdigit())
+    oracle = problem.payload["answer"]
+    chain = ReasoningGym("chain_sum")
+    item = next(p for p in chain.problems("eval", 20, 0) if len(p.payload["answer"]) >= 3
+                and p.payload["answer"].isdigit())
+    sorting = ReasoningGym("number_sorting", config={"min_decimals": 0, "max_decimals": 0})
+    listed = sorting.problems("eval", 1, 0)[0]
+    numbers = listed.payload["answer"]
+    first = numbers.split("'")[1]
+    moved = numbers.replace(f"'{first}'", f"'{first}.4'", 1)
+    cases = [(gsm, problem, oracle, 1.0), (gsm, problem, f"-{oracle}", 0.0), (gsm, problem, f".{oracle}", 0.0),
+             (gsm, problem, f"{oracle} apples", 0.0),
+             (chain, item, item.payload["answer"], 1.0),
+             (chain, item, item.payload["answer"][:-2] + "," + item.payload["answer"][-2:], 0.0),  # '46,19'
+
+             (sorting, listed, numbers, 1.0), (sorting, listed, moved, 0.0),
+             (sorting, listed, numbers.replace("']", " kg']"), 0.0)]
+    wrong = [(env.name, answer, v.reward, v.reason) for env, p, answer, expect in cases
+             if (v := env.verify(p, "#### " + answer)).reward != expect]
+    assert not wrong
+
+
+# -- 5. vacuous weakening of a premise (propositional logic) -----------------------------------------
+
+
+def test_weakening_a_premise_is_as_trivial_as_restating_it() -> None:
+    """Before: a premise weakened by a literal ('(P ∨ Q)' from P, the old reference itself) or a conjunct of a
+    premise ('P' from '(Q ∧ P)') was a non-trivial conclusion and earned 1.0."""
+    from evertrain.envs.reasoning_gym import ReasoningGym
+
+    env = ReasoningGym("propositional_logic")
+    problem = env.problems("eval", 1, 0)[0]
+    meta = problem.payload["metadata"]
+    weakened = [f"({premise} ∨ {v})" for premise in meta["premises"] for v in meta["variables"][:2]]
+    weakened += [f"({v} → ({premise}))" for premise in meta["premises"][:2] for v in meta["variables"][:1]]
+    verdicts = [env.verify(problem, "#### " + text) for text in weakened]
+    assert [v.reward for v in verdicts] == [0.0] * len(weakened), [v.reason for v in verdicts]
+    assert env.verify(problem, env.reference(problem) or "").reward == 1.0
+
+
+# -- 6. MBPP: hidden tests that cannot tell a constant from a solution -------------------------------
+
+
+def test_mbpp_items_a_constant_passes_are_left_out() -> None:
+    """Before: items whose three tests all expect the visible test's value were in the pools, and a function
+    returning that value earned 1.0 on them. They are left out now; on a kept item the same attack earns 0."""
+    import json
+    from pathlib import Path
+
+    from evertrain.envs import registry
+    from evertrain.envs.code import MBPP, constant_answer, grade_code, visible_constant
+
+    mbpp = registry.get("mbpp")
+    assert isinstance(mbpp, MBPP)
+    dropped = MBPP.constant_ids()
+    pools = {p.payload["task_id"] for split in ("train", "eval") for p in mbpp.problems(split, 10_000, 0)}
+    assert dropped and not set(dropped) & pools
+    rows = {r["task_id"]: r for r in map(json.loads, Path("data/mbpp/mbpp.jsonl").read_text().splitlines())}
+    hacked = rows[dropped[0]]
+    payload = {"tests": hacked["test_list"], "entry_point": "", "test_setup": hacked["test_setup_code"]}
+    from evertrain.envs.code import mbpp_entry_point
+
+    payload["entry_point"] = mbpp_entry_point(hacked["code"], hacked["test_list"][0])
+    assert constant_answer(hacked["test_list"]) is not None
+    assert grade_code(payload, visible_constant(payload) or "")[0].reward == 1.0  # it was hackable
+    kept = mbpp.problems("eval", 1, 0)[0]
+    assert mbpp.verify(kept, visible_constant(kept.payload) or "").reward == 0.0
+    assert mbpp.verify(kept, mbpp.reference(kept) or "").reward == 1.0
+    docs = Path("docs/concepts/threat-model.md").read_text()
+    assert f"{len(dropped)} MBPP items" in docs and all(str(i) in docs for i in dropped)
