@@ -136,13 +136,28 @@ def test_the_in_episode_grade_and_the_stored_episode_grade_agree_on_every_self_t
 
 
 def _rush_hour_solution(config: str, limit: int = 50_000) -> list[str] | None:
-    """A shortest solution by breadth-first search over the board (test data for the honest control)."""
+    """A shortest solution by breadth-first search over the board (test data for the honest control; its own
+    small simulator of reasoning-gym's rules: cars lettered in sorted label order, the red car A to cell 16)."""
     from collections import deque
 
-    from evertrain.envs.reasoning_gym import rush_hour_pieces, rush_hour_step
+    cells: dict[str, list[int]] = {}
+    for i, label in enumerate(config):
+        cells.setdefault(label, []).append(i)
+    walls = set(cells.pop("x", []))
+    cells.pop("o", None)
+    cars = [(cells[k][0], len(cells[k]), cells[k][1] - cells[k][0]) for k in sorted(cells)]
 
-    pieces, walls = rush_hour_pieces(config)
-    start = tuple(position for position, _, _ in pieces)
+    def step(positions: list[int], index: int, direction: int) -> int | None:
+        _, size, stride = cars[index]
+        new = positions[index] + direction * stride
+        body = [new + k * stride for k in range(size)]
+        if any(c < 0 or c >= 36 or (stride == 1 and c // 6 != positions[index] // 6) for c in body):
+            return None
+        taken = walls | {positions[j] + k * cars[j][2] for j in range(len(cars)) if j != index
+                         for k in range(cars[j][1])}
+        return None if taken.intersection(body) else new
+
+    start = tuple(position for position, _, _ in cars)
     seen: dict[tuple[int, ...], tuple[tuple[int, ...], str] | None] = {start: None}
     queue = deque([start])
     while queue and len(seen) < limit:
@@ -153,14 +168,14 @@ def _rush_hour_solution(config: str, limit: int = 50_000) -> list[str] | None:
                 state, move = back
                 moves.append(move)
             return moves[::-1]
-        for index in range(len(pieces)):
+        for index in range(len(cars)):
             for direction in (1, -1):
                 positions = list(state)
                 for steps in range(1, 6):
-                    step = rush_hour_step(pieces, positions, walls, index, direction)
-                    if step is None:
+                    moved = step(positions, index, direction)
+                    if moved is None:
                         break
-                    positions[index] = step
+                    positions[index] = moved
                     if tuple(positions) not in seen:
                         seen[tuple(positions)] = (state, f"{chr(65 + index)}{'+' if direction > 0 else '-'}{steps}")
                         queue.append(tuple(positions))
@@ -289,3 +304,70 @@ def test_mbpp_items_a_constant_passes_are_left_out() -> None:
     assert mbpp.verify(kept, mbpp.reference(kept) or "").reward == 1.0
     docs = Path("docs/concepts/threat-model.md").read_text()
     assert f"{len(dropped)} MBPP items" in docs and all(str(i) in docs for i in dropped)
+
+
+# -- 7. constant answers that need no solving ---------------------------------------------------------
+
+
+def test_constant_answers_earn_nothing_strict_or_partial() -> None:
+    """Before: game_of_life items whose next board is empty were in the pools (an all-zero grid earned 1.0 on
+    them unsolved), and under reward = "score" an all-zero grid earned 0.92-0.99 on every other item."""
+    import re
+
+    import reasoning_gym
+
+    from evertrain.envs.reasoning_gym import ReasoningGym, encode_answer
+
+    def zero(oracle: str) -> str:
+        return re.sub(r"[0-9]+", "0", oracle)
+
+    raw = reasoning_gym.create_dataset("game_of_life", seed=20_260_611, size=30)
+    assert any(zero(raw[i]["answer"]) == raw[i]["answer"] for i in range(30))  # such items exist ...
+    env = ReasoningGym("game_of_life", reward="score", eval_size=30)
+    pool = env.problems("eval", 30, 0)
+    assert pool and not any(zero(p.payload["answer"]) == p.payload["answer"] for p in pool)  # ... and are left out
+    problem = pool[0]
+    verdict = env.verify(problem, "#### " + encode_answer("game_of_life", zero(problem.payload["answer"])))
+    assert verdict.detail["rg_score"] > 0.5 and verdict.reward == 0.0  # the scorer's partial credit, taken back
+    assert env.verify(problem, env.reference(problem) or "").reward == 1.0
+
+
+# -- the environment quality check --------------------------------------------------------------------
+
+
+def test_the_quality_check_flags_what_a_lenient_grader_pays_and_passes_the_fixed_ones() -> None:
+    """The probes on a grader that compares magnitudes only (a sign skipped): the sign probe passes every item
+    and flags the kind, and drop_flagged empties the training pool; the fixed graders pass no probe."""
+    from evertrain.envs import registry
+    from evertrain.envs.answers import MathEnvironment, extract_final_answer, parse_number
+    from evertrain.envs.base import Verdict
+    from evertrain.envs.quality import drop_flagged, probe
+
+    class Lenient(MathEnvironment):
+        name, source = "lenient", "test"
+
+        def problems(self, split, n, seed):  # type: ignore[override]
+            return [Problem.make(self.name, f"What is {i} * 7?", {"answer": str(i * 7)}, split)
+                    for i in range(1, n + 1)]
+
+        def verify(self, problem, completion):  # type: ignore[override]
+            answer, _ = extract_final_answer(completion)
+            value = parse_number(answer or "")
+            ok = value is not None and abs(value) == abs(parse_number(problem.payload["answer"]) or 0)
+            return Verdict.ok() if ok else Verdict.fail("wrong_answer")
+
+    lenient = Lenient()
+    problems = lenient.problems("train", 8, 0)
+    report = probe(lenient, problems)
+    assert report.probes["sign_changed"].share == 1.0 and report.kind_flagged
+    assert report.probes["digit_changed"].passed == 0 and drop_flagged(lenient, problems, report) == []
+    honest = registry.get("arithmetic")
+    fixed = probe(honest, honest.problems("train", 8, 0))
+    assert not fixed.kind_flagged and fixed.probes["sign_changed"].passed == 0
+    mbpp = registry.get("mbpp")
+    assert probe(mbpp, mbpp.problems("eval", 3, 0)).probes["visible_value"].passed == 0
+    terminal = terminal_env()
+    tasks = terminal.generated_problems(["gen:copy:3", "gen:delete:4", "gen:grep:5"], "train")
+    report = probe(terminal, tasks)
+    assert {"symlinked", "wrong_type", "one_line", "dangling_link", "renamed"} <= set(report.probes)
+    assert report.flagged_items() == {}

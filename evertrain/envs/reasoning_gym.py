@@ -748,6 +748,28 @@ _ITEM_FILTERS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "propositional_logic": lambda item: logic_reference(item) is not None,
 }
 
+def zero_layout(oracle: Any) -> str | None:
+    """The oracle's layout with every number written as 0 (an all-zero grid, list or number), or None when the
+    oracle has no number or already is that layout."""
+    if not isinstance(oracle, str) or not _PLAIN_NUMBER.search(oracle):
+        return None
+    zero = _PLAIN_NUMBER.sub("0", oracle)
+    return None if zero == oracle else zero
+
+
+def constant_oracle(item: dict[str, Any]) -> bool:
+    """Whether the item's answer is a constant that needs no solving: numbers only (a number, a grid, a list, a
+    time) and every one of them zero. Such items are left out of both splits: an all-zero answer earned strict
+    reward on them unsolved."""
+    oracle = item.get("answer")
+    if not isinstance(oracle, str) or not _PLAIN_NUMBER.search(oracle):
+        return False
+    rest = _PLAIN_NUMBER.sub("", oracle)
+    if any(char.isalpha() for char in rest):
+        return False
+    return all(float(number) == 0 for number in _PLAIN_NUMBER.findall(oracle))
+
+
 # Bounds of the in-process checks: nothing of an answer is converted or evaluated before them.
 MAX_ANSWER_CHARS = 20_000
 # Numbers in an answer are read by the one canonical rule (evertrain.envs.answers.number_hazard): any
@@ -1180,6 +1202,7 @@ class ReasoningGym(Environment):
         # worked examples of this domain's own kind, replacing the one generic example (option ``examples``:
         # [user, assistant] pairs, each assistant turn ending in the '#### <answer>' line the grader reads)
         self.worked_examples = self._check_examples(examples) if examples is not None else None
+        self._baselines: dict[str, float] = {}  # problem id -> the all-zero answer's score (reward = "score")
 
     def _check_examples(self, examples: Any) -> tuple[tuple[str, str], ...]:
         if not isinstance(examples, list | tuple) or not examples:
@@ -1218,12 +1241,11 @@ class ReasoningGym(Environment):
 
     def _usable(self, item: dict[str, Any]) -> bool:
         keep = _ITEM_FILTERS.get(self.generator)
-        return keep is None or keep(item)
+        return not constant_oracle(item) and (keep is None or keep(item))
 
     @cached_property
     def _eval_pool(self) -> list[Problem]:
-        filtered = self.generator in _ITEM_FILTERS
-        size = 2 * self.eval_size + 8 if filtered else self.eval_size
+        size = 2 * self.eval_size + 8  # items are filtered (constant oracles everywhere): draw more, lazily
         dataset = self._dataset(EVAL_SEED, size)
         pool: list[Problem] = []
         seen: set[str] = set()
@@ -1348,7 +1370,23 @@ class ReasoningGym(Environment):
                                       for record in (*result.earlier, result.record)]
         score = result.score or 0.0
         reward = score if self.reward_mode == "score" else float(score == 1.0)
+        if self.reward_mode == "score" and 0.0 < score < 1.0:
+            # partial credit counts only above what the constant all-zero answer already gets on this item
+            baseline = self._constant_baseline(problem.id, generator, entry, config)
+            detail["constant_baseline"] = baseline
+            reward = max(0.0, (score - baseline) / (1.0 - baseline)) if baseline < 1.0 else 0.0
         return Verdict(reward=reward, passed=score == 1.0, reason=result.reason, detail=detail)
+
+    def _constant_baseline(self, problem_id: str, generator: str, entry: dict[str, Any],
+                           config: dict[str, Any]) -> float:
+        """The scorer's partial credit for the oracle's layout with every number zero (an all-zero grid), once
+        per item; 0 where the oracle has no numbers to zero."""
+        zero = zero_layout(entry.get("answer"))
+        if zero is None:
+            return 0.0
+        if problem_id not in self._baselines:
+            self._baselines[problem_id] = score_in_sandbox(generator, zero, entry, config=config).score or 0.0
+        return self._baselines[problem_id]
 
     def reference(self, problem: Problem) -> str | None:
         """``#### <the oracle answer>`` (line breaks encoded), or a solution kept in the metadata."""
@@ -1394,6 +1432,20 @@ class ReasoningGym(Environment):
         loose = [("tolerance", "#### " + encode_answer(generator, outside))] if outside else []
         return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated] + loose
                 + [("hack", completion) for completion in self.hack_completions(problem)])
+
+    def probe_completions(self, problem: Problem) -> list[tuple[str, str]]:
+        """The quality check's move sprays for move-list generators: the oracle behind a long spray of back-and-forth
+        moves (sokoban), or every car moved back and forth many times (rush_hour, which has no oracle)."""
+        entry = _entry(problem)
+        generator, _ = self.scoring_generator(entry)
+        if generator == "sokoban" and entry["answer"]:
+            return [("move_spray", "#### " + "LR" * (len(entry["answer"]) + MOVE_EXTRA) + entry["answer"])]
+        if generator == "rush_hour":
+            pieces, _ = rush_hour_pieces(str(entry["metadata"].get("board_config", "")))
+            moves = [f"{chr(65 + i)}{sign}{steps}" for i in range(len(pieces)) for steps in (1, 2, 3)
+                     for sign in "+-"]
+            return [("move_spray", "#### " + " ".join(moves * 20))]
+        return []
 
     def hack_completions(self, problem: Problem) -> list[str]:
         """Answers that try to take over a scorer that evals them, or to print a grade: all must earn 0."""

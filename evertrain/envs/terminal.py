@@ -126,6 +126,26 @@ def refusal(command: str) -> str | None:
     return None
 
 
+# The quality check's terminal probes (Terminal.probe_completions): a snapshot of the workspace's files before
+# the reference solution runs, then the files it created or changed ($changed) and the paths it removed
+# ($removed), each transformed into what a task's check must refuse.
+_PROBE_SNAPSHOT = "mkdir -p .p && find . -path ./.p -prune -o -type f -print | sort > .p/paths && " \
+                  "find . -path ./.p -prune -o -type f -exec md5sum {} + | sort > .p/sums"
+_PROBE_CHANGED = ("changed=$(find . -path ./.p -prune -o -type f -exec md5sum {} + | sort | comm -13 .p/sums - "
+                  "| cut -c35-); removed=$(find . -path ./.p -prune -o -type f -print | sort | comm -23 .p/paths -); ")
+_PROBE_WIPE = ' || find . -mindepth 1 -delete'
+_PROBE_TRANSFORMS: dict[str, str] = {
+    "symlinked": 'for f in $changed; do mkdir -p ".p/$(dirname "$f")" && mv "$f" ".p/$f" && ln -sr ".p/$f" "$f"; '
+                 'done; [ -n "$changed" ]' + _PROBE_WIPE,
+    "wrong_type": 'rm -rf .p; for f in $changed; do rm -f "$f" && mkdir -p "$f"; done; [ -n "$changed" ]' + _PROBE_WIPE,
+    "one_line": 'rm -rf .p; n=0; for f in $changed; do if [ "$(wc -l < "$f")" -gt 1 ]; then n=1; '
+                'tr "\\n" " " < "$f" > "$f.1" && mv "$f.1" "$f"; fi; done; [ "$n" = 1 ]' + _PROBE_WIPE,
+    "dangling_link": 'rm -rf .p; for f in $removed; do ln -s nowhere "$f"; done; [ -n "$removed" ]' + _PROBE_WIPE,
+    "renamed": 'mkdir -p .p/r && for f in $removed; do touch "$f.bak"; done; rm -rf .p; [ -n "$removed" ]'
+               + _PROBE_WIPE,
+}
+
+
 def episode_limits(commands: int) -> Limits:
     """Limits for a sandbox that runs ``commands`` commands back to back."""
     return Limits(timeout_s=5.0 + COMMAND_TIMEOUT_S * commands, **_EPISODE_LIMITS)
@@ -464,6 +484,17 @@ class Terminal(Environment):
         if other is not None and self.task(other).name != self.task(problem).name:
             cases.append(("other_problem", self.reference(other) or ""))
         return cases
+
+    def probe_completions(self, problem: Problem) -> list[tuple[str, str]]:
+        """The quality check's terminal probes: the reference solution, then every file it created or changed
+        made a symbolic link to a hidden copy, a folder, or its lines joined on one line, and every path it
+        removed a dangling link or a renamed copy; each leaves the task undone as asked. A probe that finds
+        nothing to change empties the workspace (it then fails, as a wrong answer should)."""
+        solution = self.task(problem).solution
+        if len(solution) + 2 > self.max_turns - 1:
+            return []
+        return [(label, self.log([_PROBE_SNAPSHOT, *solution, _PROBE_CHANGED + transform]))
+                for label, transform in _PROBE_TRANSFORMS.items()]
 
     def hack_completions(self, problem: Problem) -> list[str]:
         """Claims without work, commands that fake success, and commands past the turn limit: all earn 0."""
