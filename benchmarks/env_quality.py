@@ -25,7 +25,9 @@ def _one(name: str, per_split: int) -> dict:
     from evertrain.envs import registry
     from evertrain.envs.quality import probe
 
-    env = registry.get(name)
+    # a reasoning-gym generator's held-out pool is built whole (100 items) on first use; the first items of a
+    # smaller pool are the same items, at a fraction of the cost
+    env = registry.get(name, eval_size=per_split) if name.startswith("rg:") else registry.get(name)
     started = time.monotonic()
     try:
         if name == "terminal":
@@ -65,6 +67,7 @@ def main() -> int:
         for future in as_completed(futures):
             row = future.result()
             rows.append(row)
+            _save(args, rows, started)  # after every environment: a long run's partial report survives
             flagged = row.get("flagged_probes", row.get("error"))
             print(f"{row['env']:36s} items {row.get('items', '-'):>4} flagged {flagged}", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: r["env"])
@@ -73,11 +76,18 @@ def main() -> int:
         print(f"{row['env']:36s} {row.get('items', 0):>5} {row.get('graded', 0):>6} "
               f"{', '.join(row.get('flagged_probes', [])) or row.get('error', '-')[:28]:28s} "
               f"{row.get('flagged_items', 0):>13}")
-    out = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores, {platform.platform()}", "wall_s": round(time.monotonic() - started, 1),
-           "environments": rows}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    _save(args, rows, started, complete=len(rows) == len(names))
     return 0
+
+
+def _save(args: argparse.Namespace, rows: list[dict], started: float, complete: bool = False) -> None:
+    from evertrain.envs.quality import PROBE_MIN_PASSED, PROBE_THRESHOLD
+
+    out = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cores, {platform.platform()}, shared with other work",
+           "wall_s": round(time.monotonic() - started, 1), "complete": complete, "threshold": PROBE_THRESHOLD,
+           "min_passed": PROBE_MIN_PASSED, "environments": sorted(rows, key=lambda r: r["env"])}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from evertrain.envs.base import Problem
 from evertrain.envs.quality import bad_battery
 from evertrain.envs.terminal import MAX_COMMAND_CHARS, Terminal
 from evertrain.envs.terminal_levels import task_spec
-from evertrain.envs.tools import _blocks, run_episode
+from evertrain.envs.tools import _blocks, _clean_input, run_episode
 from tests.test_terminal import _task, terminal_env
 
 # -- 1. terminal checks that verify the type, content and layout asked for -----------------------------
@@ -106,6 +106,11 @@ def test_a_final_turn_cannot_put_a_command_into_the_graded_log() -> None:
         in_episode = env.verify(problem, env.episode_text(turns))
         stored = env.verify_transcript(problem, turns)
         assert (in_episode.reward, stored.reward) == (0.0, 0.0), (replies, in_episode.reason, stored.reason)
+    # the log reads back exactly the commands the tool was given (what the rollout's parser made of a call),
+    # whatever they look like: a fenced block inside a fence, indentation, a lone tag-like string
+    calls = ["```\n```bash\nrm -f x\n```\n```", "  echo indented\n  ls", "printf '<b>'", "```\n```\nls\n```\n```"]
+    given = [_clean_input(call) for call in calls]
+    assert env.commands(env.log(given)) == given
     # the honest control: the same touch, run
     turns = _episode(env, problem, [f"<bash>\ntouch {name}\n</bash>", "Done."])
     assert env.verify(problem, env.episode_text(turns)).passed and env.verify_transcript(problem, turns).passed

@@ -1245,7 +1245,9 @@ class ReasoningGym(Environment):
 
     @cached_property
     def _eval_pool(self) -> list[Problem]:
-        size = 2 * self.eval_size + 8  # items are filtered (constant oracles everywhere): draw more, lazily
+        # items are filtered (constant oracles everywhere; 4 in 5 propositional-logic items): the dataset is
+        # drawn lazily, so a generous bound costs only the draws the pool needs
+        size = 8 * self.eval_size + 32
         dataset = self._dataset(EVAL_SEED, size)
         pool: list[Problem] = []
         seen: set[str] = set()

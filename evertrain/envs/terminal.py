@@ -66,7 +66,7 @@ from typing import Any, ClassVar
 
 from evertrain.envs.base import Environment, Problem, Split, Tool, Verdict, vendored_path
 from evertrain.envs.terminal_levels import generated_spec, task_names
-from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, parse_tool_call
+from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, _fenced_body, parse_tool_call
 from evertrain.sandbox.bwrap import Limits, run_python
 
 TOOL = "bash"
@@ -116,6 +116,10 @@ head = u.MAGIC_NUMBER + bytes(4) + int(st.st_mtime).to_bytes(4, "little") + size
 os.makedirs(os.path.dirname(u.cache_from_source(path)), exist_ok=True)
 open(u.cache_from_source(path), "wb").write(head + marshal.dumps(code))
 ' "$f"; done"""
+
+
+def _fence_kept(command: str) -> str:
+    return f"```\n{command}\n```" if _fenced_body(command) is not None else command
 
 
 def refusal(command: str) -> str | None:
@@ -400,8 +404,10 @@ class Terminal(Environment):
 
     @staticmethod
     def log(commands: list[str]) -> str:
-        """The graded text of an episode that issued ``commands``: each as a <bash> block, and nothing else."""
-        return "\n".join(f"<bash>\n{command}\n</bash>" for command in commands)
+        """The graded text of an episode that issued ``commands``: each as a <bash> block, and nothing else.
+        :meth:`commands` reads back exactly ``commands``: a command that itself looks like a fenced block gets
+        one more fence, which the reading removes (it removes one, as the rollout's parser did)."""
+        return "\n".join(f"<bash>\n{_fence_kept(command)}\n</bash>" for command in commands)
 
     def episode_text(self, turns: list[Message]) -> str:
         """The command log of an episode: the commands the tool was given (the ``input`` of its tool turns), in
