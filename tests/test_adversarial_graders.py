@@ -255,6 +255,11 @@ def test_wrapped_scorers_read_a_number_whole() -> None:
              (chain, item, item.payload["answer"][:-2] + "," + item.payload["answer"][-2:], 0.0),  # '46,19'
 
              (sorting, listed, numbers, 1.0), (sorting, listed, moved, 0.0)]
+    # kakurasu's scorer kept only the characters 0 and 1 of a line: '-1' was a 1 (found by the quality check)
+    kakurasu = ReasoningGym("kakurasu", eval_size=1)
+    grid = kakurasu.problems("eval", 1, 0)[0]
+    oracle_grid = grid.payload["answer"].replace("\n", "\\n")
+    cases += [(kakurasu, grid, oracle_grid, 1.0), (kakurasu, grid, oracle_grid.replace("1", "-1", 1), 0.0)]
     wrong = [(env.name, answer, v.reward, v.reason) for env, p, answer, expect in cases
              if (v := env.verify(p, "#### " + answer)).reward != expect]
     assert not wrong

@@ -367,11 +367,12 @@ class ProbeReport:
 
 
 def _changed_digit(text: str) -> str | None:
-    """``text`` with its last digit changed (9 becomes 0, any other one more)."""
+    """``text`` with its leading significant digit changed (9 becomes 0, any other one more): wrong at any
+    precision a question may state (a last digit changed is right where fewer digits are asked)."""
     digits = [m.start() for m in _DIGIT.finditer(text)]
     if not digits:
         return None
-    at = digits[-1]
+    at = next((i for i in digits if text[i] != "0"), digits[0])
     return text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:]
 
 

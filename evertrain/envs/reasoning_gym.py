@@ -558,6 +558,13 @@ for _name, _check in (("rush_hour", rush_hour_legal), ("sokoban", sokoban_legal)
     _FIX_CHECKS[_name] = _check
 
 
+SCORER_FIXES["kakurasu"] = (
+    "rg's scorer keeps only the characters 0 and 1 of each line and drops the rest, so '-1' was read as 1 and any "
+    "junk between the cells was ignored (found by the quality check's sign probe: 4 of 4 items). The answer must "
+    "now be 0s and 1s and blanks only, so what the scorer reads is what was written")
+_FIX_CHECKS["kakurasu"] = lambda answer, entry: set(answer) <= set("01 \t\n")
+
+
 # Scorers whose tolerance is looser than the precision the question asks for (or, where the question
 # states none, than the digits the generator wrote in its oracle): their full credit stands only if
 # every number of the answer is within half a unit of that precision's last digit of the oracle's

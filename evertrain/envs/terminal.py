@@ -142,7 +142,9 @@ _PROBE_TRANSFORMS: dict[str, str] = {
     "symlinked": 'for f in $changed; do mkdir -p ".p/$(dirname "$f")" && mv "$f" ".p/$f" && ln -sr ".p/$f" "$f"; '
                  'done; [ -n "$changed" ]' + _PROBE_WIPE,
     "wrong_type": 'rm -rf .p; for f in $changed; do rm -f "$f" && mkdir -p "$f"; done; [ -n "$changed" ]' + _PROBE_WIPE,
-    "one_line": 'rm -rf .p; n=0; for f in $changed; do if [ "$(wc -l < "$f")" -gt 1 ]; then n=1; '
+    # not Python sources: a fix joined on one line can still be the same program
+    "one_line": 'rm -rf .p; n=0; for f in $changed; do case "$f" in *.py) continue;; esac; '
+                'if [ "$(wc -l < "$f")" -gt 1 ]; then n=1; '
                 'tr "\\n" " " < "$f" > "$f.1" && mv "$f.1" "$f"; fi; done; [ "$n" = 1 ]' + _PROBE_WIPE,
     "dangling_link": 'rm -rf .p; for f in $removed; do ln -s nowhere "$f"; done; [ -n "$removed" ]' + _PROBE_WIPE,
     "renamed": 'mkdir -p .p/r && for f in $removed; do touch "$f.bak"; done; rm -rf .p; [ -n "$removed" ]'
