@@ -244,7 +244,7 @@ def _env_row(name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
     """One row of `evertrain envs`: what ``name`` is and, with ``validate_problems``, its self-test.
     Top-level (and importing what it needs) so that a process of a pool can run it."""
     from evertrain.envs import registry
-    from evertrain.envs.quality import validate
+    from evertrain.envs.quality import probe, validate
 
     env = registry.get(name)
     try:
@@ -266,6 +266,11 @@ def _env_row(name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
             row["validation"] = "ok" if report.ok else "FAILED: " + (
                 "; ".join(report.failures[:3]) or "no problems to check")
             row["selftest"] = report.as_dict(cases=cases)
+            # the quality check's probes on the same problems, reusing the self-test's grades of equal completions
+            graded = {(case.problem_id, case.completion): case.reward for case in report.cases}
+            quality = probe(env, report.sample, graded=graded)
+            row["quality"] = quality.as_dict()
+            row["flagged"] = ", ".join(quality.flagged_probes) or f"{len(quality.flagged_items())} items"
     return row
 
 
@@ -312,7 +317,7 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"{len(rows)} environments")
-    columns = ["name", "kind", "source", "problems", "tools"] + (["validation"] if args.validate else [])
+    columns = ["name", "kind", "source", "problems", "tools"] + (["validation", "flagged"] if args.validate else [])
     for column in columns:
         table.add_column(column)
     for row in rows:
@@ -656,7 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
     envs.add_argument("--json", action="store_true", help="print JSON instead of a table")
     envs.add_argument("--validate", type=int, nargs="?", const=2, default=0, metavar="N",
                       help="also run each verifier's self-test on N train and N eval problems (known-good "
-                           "answers earn 1, a battery of known-bad ones exactly 0); exit status 1 if any fails")
+                           "answers earn 1, a battery of known-bad ones exactly 0; exit status 1 if any fails) "
+                           "and the quality check's probes on them (constant, sign- or digit-changed answers, "
+                           "hard-coded visible tests, move sprays, linked or wrongly typed files: the share of "
+                           "items each passes, and what it flags)")
     envs.add_argument("--env", action="append", metavar="NAME", help="only this environment (repeatable)")
     envs.add_argument("--cases", action="store_true", help="with --json --validate: every self-test case")
     envs.add_argument("--jobs", type=int, default=0, metavar="N",

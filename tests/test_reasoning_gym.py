@@ -329,7 +329,8 @@ def test_quality_validation_passes(generator):
 
     report = validate(rg.ReasoningGym(generator, eval_size=1), problems=1)
     assert report.ok, report.failures
-    assert report.by_label()["good"]["cases"] >= 1
+    if generator not in rg.RG_REFERENCE_EXCEPTIONS:  # rush_hour's fix validates moves: it has no reference
+        assert report.by_label()["good"]["cases"] >= 1
 
 
 def test_items_whose_oracle_is_an_unevaluated_integral_are_left_out():

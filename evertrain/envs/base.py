@@ -171,6 +171,11 @@ class Environment(ABC):
         0, 1, another problem's answer, the question restated, hedges, over-long numbers) to these."""
         return [("hack", completion) for completion in self.hack_completions(problem)]
 
+    def probe_completions(self, problem: Problem) -> list[tuple[str, str]]:
+        """(probe, completion) pairs of this environment's own for the quality check
+        (:func:`evertrain.envs.quality.probe`): wrong answers shaped for it (move sprays, symlinked files ...)."""
+        return []
+
     def oracle_answer(self, problem: Problem) -> str | None:
         """The expected final answer as text, when the problem has one (the self-test builds wrong answers)."""
         answer = problem.payload.get("answer")

@@ -360,6 +360,61 @@ MBPP_EXCLUDED: dict[int, str] = {
     927: "test_setup_code builds a tree of the solution's own Node objects: objects cannot cross",
 }
 
+def _expectation(test: str) -> tuple[str, Any] | None:
+    """What one ``assert`` test asks of the value its call returns: ("eq", value), ("truthy", None) or
+    ("falsy", None); None when the test is of another form (then no constant is known to pass it)."""
+    try:
+        body = ast.parse(test).body
+    except SyntaxError:
+        return None
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
+        return None
+    node = body[0].test
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.Is)):
+        for side, call in ((node.comparators[0], node.left), (node.left, node.comparators[0])):
+            if isinstance(call, ast.Call):
+                try:
+                    return "eq", ast.literal_eval(side)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    return None
+        return None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and isinstance(node.operand, ast.Call):
+        return "falsy", None
+    return ("truthy", None) if isinstance(node, ast.Call) else None
+
+
+def constant_answer(tests: list[str]) -> tuple[Any] | None:
+    """``(value,)`` when one constant return value passes every test (the tests cannot tell a function that
+    returns it from a solution: hard-coding the visible test's value passes the hidden ones), else None."""
+    wanted = [_expectation(test) for test in tests]
+    if not wanted or any(w is None for w in wanted):
+        return None
+    candidates = [value for kind, value in wanted if kind == "eq"] or [True, False]  # type: ignore[misc]
+
+    def passes(value: Any, kind: str, expected: Any) -> bool:
+        try:
+            return bool(value == expected) if kind == "eq" else bool(value) == (kind == "truthy")
+        except Exception:  # a literal that cannot be compared: no verdict from it
+            return False
+
+    for value in candidates:
+        if all(passes(value, kind, expected) for kind, expected in wanted):  # type: ignore[misc]
+            return (value,)
+    return None
+
+
+def visible_constant(payload: dict[str, Any]) -> str | None:
+    """A completion that returns the visible (first) test's expected value whatever it is called with: the
+    visible-test hard-coding a policy tries first; None when that test states no value."""
+    tests = payload.get("tests") or []
+    expected = _expectation(tests[0]) if tests else None
+    if expected is None:
+        return None
+    value = expected[1] if expected[0] == "eq" else expected[0] == "truthy"
+    names = sorted({payload.get("entry_point") or "solution"} | set(_called_names(payload)))
+    return "```python\n" + "\n".join(f"def {name}(*args, **kwargs):\n    return {value!r}" for name in names) + "\n```"
+
+
 _MBPP_EXAMPLE = (
     "You are an expert Python programmer, and here is your task: Write a function to find the shared "
     "elements of two tuples, in increasing order.\nYour code should pass this test:\n\n"
@@ -375,7 +430,9 @@ class MBPP(CodeEnvironment):
     Splits follow MBPP's own convention, by ``task_id``: 11-510 are its test set and our held-out
     ``eval`` split; 511-600 (its validation set) and 601-974 (its training set) are our ``train``
     split; 1-10 are its few-shot prompt problems and in neither split (one of them, task 2, rewritten,
-    is the worked example). Problems in :data:`MBPP_EXCLUDED` are in neither split.
+    is the worked example). Problems in :data:`MBPP_EXCLUDED` are in neither split, nor are those whose
+    tests one constant passes (:func:`constant_answer`: every test expects the visible test's value, so
+    hard-coding it would pass the hidden ones; :meth:`constant_ids` lists them).
 
     The prompt shows one of the three tests (the MBPP convention) and names the function; the other
     two stay hidden, so a reply that hard-codes the visible test fails. ``challenge_test_list`` is not
@@ -398,6 +455,14 @@ class MBPP(CodeEnvironment):
             return "train"
         return None
 
+    @staticmethod
+    def constant_ids() -> list[int]:
+        """The task ids left out because one constant passes all their tests (counted and listed in the docs)."""
+        with vendored_path("mbpp", "mbpp.jsonl").open() as lines:
+            rows = [json.loads(line) for line in lines]
+        return [row["task_id"] for row in rows if MBPP.split_of(row["task_id"]) is not None
+                and row["task_id"] not in MBPP_EXCLUDED and constant_answer(row["test_list"]) is not None]
+
     def _rows(self) -> list[tuple[str, dict[str, Any], Split | None]]:
         path = vendored_path("mbpp", "mbpp.jsonl")
         rows = []
@@ -410,7 +475,8 @@ class MBPP(CodeEnvironment):
                 except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as error:
                     raise ValueError(f"{path}:{number}: not an MBPP row ({error!r})") from None
                 split = self.split_of(task_id)
-                if split is None or task_id in MBPP_EXCLUDED:
+                # an item whose tests a constant passes (all expect the visible test's value) rewards hard-coding
+                if split is None or task_id in MBPP_EXCLUDED or constant_answer(tests) is not None:
                     continue
                 prompt = (
                     f"You are an expert Python programmer, and here is your task: {text}\n"

@@ -130,6 +130,7 @@ class CaseResult:
 @dataclass
 class ValidationReport:
     env: str
+    sample: list[Problem] = field(default_factory=list)  # the problems checked (the quality check reuses them)
     checked: int = 0
     failures: list[str] = field(default_factory=list)
     sandbox_runs: list[dict[str, Any]] = field(default_factory=list)  # audit rows of sandboxed verifications
@@ -238,6 +239,7 @@ def validate(env: Environment, problems: int = 2, seed: int = 0, workers: int = 
     except Exception as error:
         report.failures.append(f"cannot produce problems: {type(error).__name__}: {error}")
         return report
+    report.sample = sample
     todo: list[tuple[Problem, str, str, float]] = []
     for index, problem in enumerate(sample):
         report.checked += 1
@@ -286,3 +288,197 @@ def validate(env: Environment, problems: int = 2, seed: int = 0, workers: int = 
                 report.failures.append(f"{problem.id}: the known-good completion got two different verdicts")
     report.seconds = time.monotonic() - started
     return report
+
+
+# ---------------------------------------------------------------------------------------------------
+# The environment quality check: generic probes that find hackable items before a policy does
+
+PROBE_THRESHOLD = 0.05  # a probe passing more than this share of an environment's items flags the whole kind ...
+PROBE_MIN_PASSED = 3  # ... when it passed at least this many (two items of eight sharing an answer is no pattern)
+FIXED_STRING = "yes"
+_DIGIT = re.compile(r"[0-9]")
+_SIGNED = re.compile(r"(?<![0-9.])(-?)([0-9]+(?:\.[0-9]+)?)")
+
+
+@dataclass
+class ProbeResult:
+    """How one probe fared on an environment's items: on how many it applied, how many it passed (reward 1)."""
+
+    probe: str
+    items: int = 0
+    passed: int = 0
+    reward: float = 0.0  # summed reward (partial credit included, for ``reward = "score"`` environments)
+    passed_ids: list[str] = field(default_factory=list)
+
+    @property
+    def share(self) -> float:
+        return self.passed / self.items if self.items else 0.0
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward / self.items if self.items else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"probe": self.probe, "items": self.items, "passed": self.passed, "share": round(self.share, 4),
+                "mean_reward": round(self.mean_reward, 4), "passed_ids": self.passed_ids}
+
+
+@dataclass
+class ProbeReport:
+    """The quality check of one environment on a set of items. An item any probe passes is flagged (a wrong or
+    constant answer earns full reward on it); a probe whose share of items (or mean reward, partial credit
+    included) passes ``threshold``, on at least :data:`PROBE_MIN_PASSED` items, flags the whole kind: then every
+    item is flagged."""
+
+    env: str
+    items: int
+    threshold: float = PROBE_THRESHOLD
+    probes: dict[str, ProbeResult] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    graded: int = 0
+
+    @property
+    def flagged_probes(self) -> list[str]:
+        return sorted(name for name, result in self.probes.items() if result.passed >= PROBE_MIN_PASSED
+                      and (result.share > self.threshold or result.mean_reward > self.threshold))
+
+    @property
+    def kind_flagged(self) -> bool:
+        return bool(self.flagged_probes)
+
+    def flagged_items(self) -> dict[str, list[str]]:
+        """item id -> the probes that passed it."""
+        found: dict[str, list[str]] = {}
+        for name, result in sorted(self.probes.items()):
+            for item in result.passed_ids:
+                found.setdefault(item, []).append(name)
+        return found
+
+    def drop_ids(self, ids: list[str]) -> set[str]:
+        """Which of ``ids`` leave the training pool: all of them when the kind is flagged, else the flagged items."""
+        return set(ids) if self.kind_flagged else set(ids) & set(self.flagged_items())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"env": self.env, "items": self.items, "threshold": self.threshold, "graded": self.graded,
+                "kind_flagged": self.kind_flagged, "flagged_probes": self.flagged_probes,
+                "flagged_items": len(self.flagged_items()), "errors": self.errors, "seconds": round(self.seconds, 2),
+                "probes": {name: result.as_dict() for name, result in sorted(self.probes.items())}}
+
+
+def _changed_digit(text: str) -> str | None:
+    """``text`` with its leading significant digit changed (9 becomes 0, any other one more): wrong at any
+    precision a question may state (a last digit changed is right where fewer digits are asked)."""
+    digits = [m.start() for m in _DIGIT.finditer(text)]
+    if not digits:
+        return None
+    at = next((i for i in digits if text[i] != "0"), digits[0])
+    return text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:]
+
+
+def _changed_sign(text: str) -> str | None:
+    """``text`` with the sign of its first non-zero number flipped."""
+    for match in _SIGNED.finditer(text):
+        if match.group(2).strip("0.") == "":
+            continue
+        sign = "" if match.group(1) else "-"
+        return text[:match.start()] + sign + match.group(2) + text[match.end():]
+    return None
+
+
+def answer_probes(env: Environment, problem: Problem, common: str | None) -> list[tuple[str, str]]:
+    """The generic probes of an environment graded on a final answer: constants (the most common oracle answer
+    of the sample, zero, empty, a fixed string, the oracle's layout with every number zero), and the oracle
+    with its sign or a digit changed. Every one is a wrong answer, or one that needs no solving."""
+    oracle = env.oracle_answer(problem)
+    answers: list[tuple[str, str | None]] = [("most_common", common), ("zero", "0"), ("empty", ""),
+                                             ("fixed_string", FIXED_STRING)]
+    if oracle:
+        zeros = _SIGNED.sub("0", oracle)
+        answers += [("all_zero", zeros if zeros not in (oracle, "0") else None),
+                    ("sign_changed", _changed_sign(oracle)), ("digit_changed", _changed_digit(oracle))]
+    out = []
+    for label, answer in answers:
+        if answer is None or (label in ("sign_changed", "digit_changed") and _same_answer(answer, oracle)):
+            continue
+        completion = env.write_answer(answer)
+        if completion is not None:
+            out.append((label, completion))
+    return out
+
+
+def code_probes(problem: Problem) -> list[tuple[str, str]]:
+    """The generic probe of a code problem: a function returning the visible test's value (hard-coding)."""
+    from evertrain.envs.code import visible_constant
+
+    completion = visible_constant(problem.payload) if problem.payload.get("tests") else None
+    return [] if completion is None else [("visible_value", completion)]
+
+
+def probes_for(env: Environment, problem: Problem, common: str | None) -> list[tuple[str, str]]:
+    """Every probe of ``problem``: the generic ones for its kind, then the environment's own
+    (``Environment.probe_completions``: move sprays, symlinked or wrongly typed files ...)."""
+    generic = answer_probes(env, problem, common) if env.write_answer("0") is not None else []
+    if env.kind == "code":
+        generic += code_probes(problem)
+    return generic + env.probe_completions(problem)
+
+
+def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE_THRESHOLD,
+          workers: int = 2, graded: dict[tuple[str, str], float] | None = None) -> ProbeReport:
+    """The quality check of ``env`` on ``problems``: every probe (:func:`probes_for`) graded on every item,
+    and the share of items each passes. Reusable on any :class:`Environment` (imported verifiers included).
+
+    Cost: one grade per probe and item (about 7 for an answer environment, 1 for code, 5 for the terminal),
+    graded on ``workers`` threads; ``graded`` ((problem id, completion) -> reward, e.g. the self-test's cases)
+    holds grades already made, which are reused."""
+    from collections import Counter
+
+    report = ProbeReport(env.name, len(problems), threshold)
+    started = time.monotonic()
+    oracles = [a for a in (env.oracle_answer(p) for p in problems) if a]
+    # the most common answer is a constant only where it is common: an answer that one item has is that item's
+    most = Counter(oracles).most_common(1)
+    common = most[0][0] if most and most[0][1] >= 2 else None
+    todo = [(p, label, completion) for p in problems for label, completion in probes_for(env, p, common)]
+
+    def run(case: tuple[Problem, str, str]) -> tuple[float, str | None]:
+        problem, _, completion = case
+        if graded is not None and (problem.id, completion) in graded:
+            return graded[(problem.id, completion)], None
+        try:
+            verdict = env.verify(problem, completion)
+        except Exception as error:  # a verifier must not raise on a completion: reported, never a pass
+            return 0.0, f"{problem.id}: {type(error).__name__}: {error}"[:200]
+        return float(verdict.reward), None
+
+    if workers > 1 and len(todo) > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(run, todo))
+    else:
+        results = [run(case) for case in todo]
+    for (problem, label, _), (reward, error) in zip(todo, results, strict=True):
+        result = report.probes.setdefault(label, ProbeResult(label))
+        result.items += 1
+        result.reward += reward
+        if reward >= 1.0:
+            result.passed += 1
+            result.passed_ids.append(problem.id)
+        if error:
+            report.errors.append(error)
+    report.graded = sum(graded is None or (p.id, c) not in graded for p, _, c in todo)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def drop_flagged(env: Environment, problems: list[Problem], report: ProbeReport) -> list[Problem]:
+    """``problems`` without those the quality check flagged (every one, when it flagged the kind); the count
+    dropped is logged."""
+    import logging
+
+    dropped = report.drop_ids([p.id for p in problems])
+    if dropped:
+        logging.getLogger(__name__).warning(
+            "%s: the quality check drops %d of %d training problems (probes flagged: %s)", env.name, len(dropped),
+            len(problems), ", ".join(report.flagged_probes) or "per item")
+    return [p for p in problems if p.id not in dropped]

@@ -258,7 +258,8 @@ def _exact_number(answer: str, entry: dict[str, Any]) -> bool:
     """The answer is the oracle's number exactly (decimals and fractions compared as fractions)."""
     from evertrain.envs.answers import parse_number
 
-    value, oracle = parse_number(answer.replace(",", "")), parse_number(str(entry["answer"]).replace(",", ""))
+    # the one number reader on the whole answer: '2,45' is no number (deleting its comma made it 245)
+    value, oracle = parse_number(answer), parse_number(str(entry["answer"]))
     return value is not None and value == oracle
 
 
@@ -361,9 +362,40 @@ def _premise_conjunctions(tables: list[int]) -> set[int]:
     return found
 
 
+def _forall(table: int, bit: int, rows: int) -> int:
+    """The truth table of ``∀v. C`` for the variable on ``bit`` of the row index: C holds whatever v is."""
+    found = 0
+    for row in range(rows):
+        low, high = row & ~(1 << bit), row | (1 << bit)
+        if table >> low & 1 and table >> high & 1:
+            found |= 1 << row
+    return found
+
+
+def vacuous_weakening(table: int, tables: list[int], variables: list[str]) -> bool:
+    """Whether a conclusion (truth table ``table``) is trivially entailed: a tautology; a weakening of one
+    premise (entailed by it alone: 'P' from '(Q ∧ P)', '(P ∨ x)' from 'P'); or a weakening, by some variable v
+    it depends on, of what the premises settle without v (they entail ``∀v. C``: '(A ∧ B) ∨ x' from the
+    premises A and B). A conclusion that needs two premises and every variable it mentions ('Q' from P and
+    P → Q) is not one."""
+    rows = 1 << len(variables)
+    full = (1 << rows) - 1
+    if table == full or any(premise & ~table == 0 for premise in tables):  # a tautology, or one premise says it
+        return True
+    premises = full
+    for premise in tables:
+        premises &= premise
+    for bit in range(len(variables)):
+        forall = _forall(table, bit, rows)
+        if forall != table and premises & ~forall == 0:
+            return True
+    return False
+
+
 def _not_a_premise(answer: str, entry: dict[str, Any]) -> bool:
     """A conclusion that says something the premises do not already say as they stand: not equivalent
-    (same truth table) to any premise or any conjunction of premises, from consistent premises."""
+    (same truth table) to any premise or any conjunction of premises, and no vacuous weakening of what
+    they say (:func:`vacuous_weakening`), from consistent premises."""
     premises = entry.get("metadata", {}).get("premises") or []
     squeeze = "".join
     if squeeze(answer.split()) in {squeeze(str(p).split()) for p in premises}:
@@ -372,44 +404,53 @@ def _not_a_premise(answer: str, entry: dict[str, Any]) -> bool:
     if found is None or not premises_consistent(entry):
         return False
     table = logic_truth_table(answer, found[0])
-    return table is not None and table not in _premise_conjunctions(found[1])
+    return (table is not None and table not in _premise_conjunctions(found[1])
+            and not vacuous_weakening(table, found[1], found[0]))
 
 
 def logic_restatements(entry: dict[str, Any]) -> list[str]:
     """Premises trivially transformed (double negation, doubled or extra parentheses, reordered or
-    repeated conjuncts): the self-test's known-bad conclusions."""
-    premises = [str(p) for p in (entry.get("metadata") or {}).get("premises") or []]
+    repeated conjuncts) or weakened by a literal ('(P ∨ x)'): the self-test's known-bad conclusions."""
+    meta = entry.get("metadata") or {}
+    premises = [str(p) for p in meta.get("premises") or []]
     if not premises:
         return []
     found = []
+    variables = [v for v in meta.get("variables") or [] if isinstance(v, str)]
     for premise in dict.fromkeys(premises):
         found += [f"¬¬{premise}", f"(({premise}))", f"({premise} ∧ {premise})", f"¬(¬{premise})"]
+        found += [f"({premise} ∨ {v})" for v in variables[:2]]
     found.append(" ∧ ".join(f"({p})" for p in reversed(premises)))
     return found
 
 
 def logic_reference(entry: dict[str, Any]) -> str | None:
-    """A conclusion the grade accepts: the item's example answer, unless it only restates premises (it
-    often does: '(Q ∧ Q)' from the premise Q); else a premise weakened by a disjunct that is neither a
-    tautology nor equivalent to any conjunction of premises."""
+    """A conclusion the grade accepts: the item's example answer, unless it only restates or weakens premises
+    (it often does: '(Q ∧ Q)' from the premise Q); else the first negated variable, or two literals joined by
+    ∨, ∧ or →, that the premises entail and that is neither a restatement nor a vacuous weakening. None: the item
+    has no non-trivial conclusion this check can tell from a trivial one (it is left out of both splits)."""
     meta = entry.get("metadata") or {}
     example = meta.get("example_answer")
-    if isinstance(example, str) and _not_a_premise(example, entry):
-        return example
     found = _logic_tables(entry)
-    if found is None:
+    if found is None or not premises_consistent(entry):
         return None
     variables, tables = found
-    full = (1 << (1 << len(variables))) - 1
-    conjunctions = _premise_conjunctions(tables)
-    for premise in dict.fromkeys(str(p) for p in meta["premises"]):
-        for variable in variables:
-            for literal in (variable, f"¬{variable}"):
-                candidate = f"({premise} ∨ {literal})"
-                table = logic_truth_table(candidate, variables)
-                if table is not None and table != full and table not in conjunctions:
-                    return candidate
-    return None
+    premises = (1 << (1 << len(variables))) - 1
+    for table in tables:
+        premises &= table
+
+    def accepted(candidate: str) -> bool:
+        table = logic_truth_table(candidate, variables)
+        return table is not None and premises & ~table == 0 and _not_a_premise(candidate, entry)
+
+    if isinstance(example, str) and accepted(example):
+        return example
+    literals = [literal for v in variables for literal in (v, f"¬{v}")]
+    # rg's scorer calls a bare variable trivial (0.25): a negated one, or two literals joined, is a formula
+    candidates = [f"¬{v}" for v in variables]
+    candidates += [f"({a} {op} {b})" for i, a in enumerate(literals) for b in literals[i + 1:]
+                   for op in ("∨", "∧", "→") if a.lstrip("¬") != b.lstrip("¬")]
+    return next((candidate for candidate in candidates if accepted(candidate)), None)
 
 
 SCORER_FIXES["propositional_logic"] = (
@@ -424,6 +465,105 @@ SCORER_FIXES["coin_flip"] = (
     "matched any oracle starting with 0 ('0.0009765625') for 1.0. Full credit now needs the oracle's number "
     "exactly (as a fraction)")
 _FIX_CHECKS["coin_flip"] = _exact_number
+
+# Move lists. rush_hour's and sokoban's scorers simulate the answer's moves but skip what they cannot do
+# (a move into a wall, a car that does not exist, a letter that is no move) and never count the moves, so a
+# spray of thousands of moves, or impossible moves in front of a real solution, was paid. The answer is now
+# validated move by move: every move must be one the board allows where it is made, and the list at most
+# MOVE_SLACK times the shortest (rush_hour: the item's min_moves) or the oracle's length (sokoban), plus
+# MOVE_EXTRA moves.
+MOVE_SLACK = 2
+MOVE_EXTRA = 10
+_RUSH_SIZE = 6
+_RUSH_TARGET = 2 * _RUSH_SIZE + _RUSH_SIZE - 2  # the red car's leftmost cell at the exit
+_RUSH_MOVE = re.compile(r"([A-Z])([+-])([0-9]{1,2})")
+
+
+def rush_hour_pieces(config: str) -> tuple[list[tuple[int, int, int]], set[int]]:
+    """The cars of a rush_hour board (position, size, stride), lettered A, B ... in the order reasoning-gym
+    letters them (sorted labels), and the walls' cells."""
+    cells: dict[str, list[int]] = {}
+    walls: set[int] = set()
+    for i, label in enumerate(config):
+        if label == "x":
+            walls.add(i)
+        elif label != "o":
+            cells.setdefault(label, []).append(i)
+    return [(cells[k][0], len(cells[k]), cells[k][1] - cells[k][0]) for k in sorted(cells)], walls
+
+
+def rush_hour_step(pieces: list[tuple[int, int, int]], positions: list[int], walls: set[int], index: int,
+                   direction: int) -> int | None:
+    """Car ``index``'s position after one step in ``direction`` (+1 right/down, -1 left/up), or None when the
+    board does not allow it (the edge, a wall, another car)."""
+    _, size, stride = pieces[index]
+    new = positions[index] + direction * stride
+    cells = [new + k * stride for k in range(size)]
+    row = positions[index] // _RUSH_SIZE
+    if any(c < 0 or c >= _RUSH_SIZE ** 2 or (stride == 1 and c // _RUSH_SIZE != row) for c in cells):
+        return None
+    occupied = set(walls)
+    for j, (_, other_size, other_stride) in enumerate(pieces):
+        if j != index:
+            occupied.update(positions[j] + k * other_stride for k in range(other_size))
+    return None if occupied.intersection(cells) else new
+
+
+def rush_hour_legal(answer: str, entry: dict[str, Any]) -> bool:
+    """Every move of ``answer`` ('F+1 K+1 M-1 ...', nothing else) is allowed where it is made, there are at most
+    MOVE_SLACK * min_moves + MOVE_EXTRA of them, and the red car (A) ends at the exit."""
+    meta = entry.get("metadata") or {}
+    tokens = answer.split()
+    if not tokens or len(tokens) > MOVE_SLACK * int(meta.get("min_moves", 0)) + MOVE_EXTRA:
+        return False
+    pieces, walls = rush_hour_pieces(str(meta.get("board_config", "")))
+    positions = [position for position, _, _ in pieces]
+    for token in tokens:
+        move = _RUSH_MOVE.fullmatch(token)
+        if move is None or ord(move[1]) - ord("A") >= len(pieces) or int(move[3]) == 0:
+            return False
+        index, direction = ord(move[1]) - ord("A"), 1 if move[2] == "+" else -1
+        for _ in range(int(move[3])):
+            step = rush_hour_step(pieces, positions, walls, index, direction)
+            if step is None:
+                return False
+            positions[index] = step
+    return bool(pieces) and positions[0] == _RUSH_TARGET
+
+
+def sokoban_legal(answer: str, entry: dict[str, Any]) -> bool:
+    """Every move of ``answer`` (L, R, U, D; blanks between them allowed) is one the player can make where it
+    is made (not into a wall, not a box that cannot move), at most MOVE_SLACK times the oracle's length plus
+    MOVE_EXTRA, and the boxes end on the goals; simulated with reasoning-gym's own game (plain data only)."""
+    import numpy as np
+    from reasoning_gym.games.contrib.sokoban.src.game import Game
+    from reasoning_gym.games.contrib.sokoban.src.utils import is_solved
+
+    moves = "".join(answer.split())
+    oracle = str(entry.get("answer") or "")
+    if not moves or set(moves) - set("LRUD") or len(moves) > MOVE_SLACK * len(oracle) + MOVE_EXTRA:
+        return False
+    rows = [list(line) for line in str(entry["metadata"]["gamestr"]).replace(" ", "").strip().split("\n")]
+    matrix = np.array(rows)
+    game = Game(height=matrix.shape[0], width=matrix.shape[1])
+    game.load_puzzle_matrix(matrix)
+    return all(game.player.update(key=move) == 1 for move in moves) and is_solved(game.get_curr_state())
+
+
+for _name, _check in (("rush_hour", rush_hour_legal), ("sokoban", sokoban_legal)):
+    SCORER_FIXES[_name] = ("rg's scorer skips the moves it cannot make and never counts them, so a spray of "
+                           "moves, or impossible moves before a real solution, scored 1.0. Every move must now "
+                           f"be legal where it is made, and the list at most {MOVE_SLACK} times the shortest "
+                           f"(or the oracle's) length plus {MOVE_EXTRA}")
+    _FIX_CHECKS[_name] = _check
+
+
+SCORER_FIXES["kakurasu"] = (
+    "rg's scorer keeps only the characters 0 and 1 of each line and drops the rest, so '-1' was read as 1 and any "
+    "junk between the cells was ignored (found by the quality check's sign probe: 4 of 4 items). The answer must "
+    "now be 0s and 1s and blanks only, so what the scorer reads is what was written")
+_FIX_CHECKS["kakurasu"] = lambda answer, entry: set(answer) <= set("01 \t\n")
+
 
 # Scorers whose tolerance is looser than the precision the question asks for (or, where the question
 # states none, than the digits the generator wrote in its oracle): their full credit stands only if
@@ -463,32 +603,78 @@ def stated_unit(question: str, oracle_number: str) -> Fraction:
 
 
 def _numbers(text: str, read: str, limit: int = 10_000) -> list[tuple[str, Fraction]] | None:
+    """The numbers of ``text`` read by the one number reader: ``read == "one"``: the whole text is one number;
+    ``"list"``: every number of a list or grid, each a whole token (a sign, point or suffix stuck to it is part
+    of it, so '1.5kg' or '-+3' is no number)."""
     from evertrain.envs.answers import canonical_number, normalize_numeric_text
 
     text = normalize_numeric_text(text)
     if read == "one":
-        value = canonical_number(text.replace(",", ""))[0]
-        return None if value is None else [(text.replace(",", "").strip(), value)]
+        value = canonical_number(text)[0]
+        return None if value is None else [(text.strip(), value)]
     found = []
     for match in _PLAIN_NUMBER.finditer(text):
         token = match.group(0)
+        before, after = text[match.start() - 1:match.start()], text[match.end():match.end() + 1]
         value = canonical_number(token)[0]
-        if value is None or len(found) >= limit:  # more numbers than the oracle's: no need to read on
-            return None
+        if value is None or len(found) >= limit or _stuck(before) or _stuck(after):
+            return None  # more numbers than the oracle's, or a number read in part: no need to read on
         found.append((token, value))
     return found
 
 
+def _stuck(char: str) -> bool:
+    """A character that, next to a number, makes it part of a longer token (not a separator)."""
+    return bool(char) and (char.isalnum() or char in "+-._")
+
+
+def _skeleton(text: str) -> str:
+    """``text`` with every number replaced by ``#`` and blanks removed: the layout a list answer must share
+    with its oracle (a unit or word beside a number, a missing bracket, changes it)."""
+    return "".join(_PLAIN_NUMBER.sub("#", text).split())
+
+
+def stated_precision(question: str, oracle_number: str) -> Fraction | None:
+    """One unit of the last digit the question asks for (its significant digits or decimal places), or None
+    when it states none (then a number is right only as the oracle writes its value)."""
+    if _SIGNIFICANT.search(question) or _DECIMAL_PLACES.search(question):
+        return stated_unit(question, oracle_number)
+    return None
+
+
+# Generators whose oracle writes more digits than the question's numbers (number_format's candidates are
+# printed with 3 decimals, its oracle is a float's repr): without a stated precision, the unit of the oracle's
+# last digit stands in, as before.
+_ORACLE_DIGIT_PRECISION = frozenset({"number_format"})
+
+
 def within_stated_precision(generator: str, answer: str, entry: dict[str, Any]) -> bool:
-    """Every number of ``answer`` is within half a unit of the stated precision of the oracle's number."""
-    read = _TOLERANCE_READ[generator]
-    oracles = _numbers(str(entry["answer"]), read)
+    """Every number of ``answer`` is the oracle's, read whole, laid out as the oracle lays them out, and within
+    half a unit of the precision the question states (none stated: the oracle's value exactly)."""
+    read = _TOLERANCE_READ.get(generator, "one")
+    oracle = str(entry["answer"])
+    oracles = _numbers(oracle, read)
     answers = _numbers(answer, read, limit=len(oracles)) if oracles else None
     if not answers or not oracles or len(answers) != len(oracles):
         return False
+    if read == "list" and _skeleton(answer) != _skeleton(oracle):
+        return False
     question = str(entry.get("question", ""))
-    return all(2 * abs(value - target) <= stated_unit(question, text)
-               for (_, value), (text, target) in zip(answers, oracles, strict=True))
+    for (_, value), (text, target) in zip(answers, oracles, strict=True):
+        unit = stated_precision(question, text)
+        if unit is None and generator in _ORACLE_DIGIT_PRECISION:
+            unit = stated_unit(question, text)
+        if not (value == target if unit is None else 2 * abs(value - target) <= unit):
+            return False
+    return True
+
+
+def numeric_oracle(entry: dict[str, Any]) -> bool:
+    """Whether the item's oracle answer is one number by the project's reader (then so must the answer be)."""
+    from evertrain.envs.answers import canonical_number
+
+    oracle = entry.get("answer")
+    return isinstance(oracle, str) and canonical_number(oracle)[0] is not None
 
 
 def just_outside_precision(generator: str, entry: dict[str, Any]) -> str | None:
@@ -520,7 +706,8 @@ def _decimal_text(value: Fraction) -> str:
 
 
 # the reason a fixed scorer's credit is taken back with (others: "wrong_answer")
-_FIX_REASONS: dict[str, str] = {"propositional_logic": "restates_premises"}
+_FIX_REASONS: dict[str, str] = {"propositional_logic": "restates_premises", "rush_hour": "illegal_moves",
+                                "sokoban": "illegal_moves"}
 for _name, _why in TOLERANCE_FIXES.items():
     _FIX_REASONS[_name] = "outside_stated_precision"
     SCORER_FIXES[_name] = _why
@@ -563,9 +750,32 @@ PUZZLE_TARGETS: dict[str, Callable[[dict[str, Any]], Fraction]] = {
 # keep its size): sympy could not integrate them, so the oracle answer is an unevaluated Integral.
 _ITEM_FILTERS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "intermediate_integration": lambda item: "Integral" not in str(item.get("answer")),
-    # premises that contradict each other entail every conclusion: no answer can be wrong
-    "propositional_logic": lambda item: premises_consistent(item),
+    # premises that contradict each other entail every conclusion: no answer can be wrong; and an item whose
+    # every checkable conclusion is a restatement or a vacuous weakening has no answer to train on
+    "propositional_logic": lambda item: logic_reference(item) is not None,
 }
+
+def zero_layout(oracle: Any) -> str | None:
+    """The oracle's layout with every number written as 0 (an all-zero grid, list or number), or None when the
+    oracle has no number or already is that layout."""
+    if not isinstance(oracle, str) or not _PLAIN_NUMBER.search(oracle):
+        return None
+    zero = _PLAIN_NUMBER.sub("0", oracle)
+    return None if zero == oracle else zero
+
+
+def constant_oracle(item: dict[str, Any]) -> bool:
+    """Whether the item's answer is a constant that needs no solving: numbers only (a number, a grid, a list, a
+    time) and every one of them zero. Such items are left out of both splits: an all-zero answer earned strict
+    reward on them unsolved."""
+    oracle = item.get("answer")
+    if not isinstance(oracle, str) or not _PLAIN_NUMBER.search(oracle):
+        return False
+    rest = _PLAIN_NUMBER.sub("", oracle)
+    if any(char.isalpha() for char in rest):
+        return False
+    return all(float(number) == 0 for number in _PLAIN_NUMBER.findall(oracle))
+
 
 # Bounds of the in-process checks: nothing of an answer is converted or evaluated before them.
 MAX_ANSWER_CHARS = 20_000
@@ -741,6 +951,10 @@ REASONS: dict[str, str] = {
                                 "states (see TOLERANCE_FIXES)",
     "restates_premises": "a conclusion equivalent to a premise or a conjunction of premises, or drawn from "
                          "premises that contradict each other",
+    "not_the_number": "a numeric item's full credit for an answer that is not the oracle's number read whole by the "
+                      "project's one number reader (within the precision the question states, if it states one)",
+    "illegal_moves": "a move list with a move the board does not allow where it is made, or far longer than the "
+                     "shortest solution (see MOVE_SLACK)",
     "not_exact": "a wrapped scorer's partial credit stands for no full answer: exact comparison failed",
     "answer_blocked": "evaluating the answer tried something the scorer's audit hook refuses (0 whatever the score)",
     "scorer_load_failed": "the generator's module or dataset could not be loaded in the sandbox",
@@ -995,6 +1209,7 @@ class ReasoningGym(Environment):
         # worked examples of this domain's own kind, replacing the one generic example (option ``examples``:
         # [user, assistant] pairs, each assistant turn ending in the '#### <answer>' line the grader reads)
         self.worked_examples = self._check_examples(examples) if examples is not None else None
+        self._baselines: dict[str, float] = {}  # problem id -> the all-zero answer's score (reward = "score")
 
     def _check_examples(self, examples: Any) -> tuple[tuple[str, str], ...]:
         if not isinstance(examples, list | tuple) or not examples:
@@ -1033,12 +1248,13 @@ class ReasoningGym(Environment):
 
     def _usable(self, item: dict[str, Any]) -> bool:
         keep = _ITEM_FILTERS.get(self.generator)
-        return keep is None or keep(item)
+        return not constant_oracle(item) and (keep is None or keep(item))
 
     @cached_property
     def _eval_pool(self) -> list[Problem]:
-        filtered = self.generator in _ITEM_FILTERS
-        size = 2 * self.eval_size + 8 if filtered else self.eval_size
+        # items are filtered (constant oracles everywhere; 4 in 5 propositional-logic items): the dataset is
+        # drawn lazily, so a generous bound costs only the draws the pool needs
+        size = 8 * self.eval_size + 32
         dataset = self._dataset(EVAL_SEED, size)
         pool: list[Problem] = []
         seen: set[str] = set()
@@ -1149,6 +1365,11 @@ class ReasoningGym(Environment):
             result.detail["rg_score_before_fix"] = result.score
             full = result.score == 1.0
             result.score, result.reason = 0.0, _FIX_REASONS.get(generator, "wrong_answer") if full else "wrong_answer"
+        # every scorer of a numeric item: full credit only for the oracle's number read whole by the project's
+        # one reader (scorers that skipped a sign or point, a unit after the number, or deleted commas paid)
+        if result.score == 1.0 and numeric_oracle(entry) and not within_stated_precision(generator, decoded, entry):
+            result.detail["rg_score_before_fix"] = result.score
+            result.score, result.reason = 0.0, "not_the_number"
         detail: dict[str, Any] = {"answer": answer[:200], "rg_score": result.score, **result.detail}
         if generator != self.generator:
             detail["generator"] = generator
@@ -1158,7 +1379,23 @@ class ReasoningGym(Environment):
                                       for record in (*result.earlier, result.record)]
         score = result.score or 0.0
         reward = score if self.reward_mode == "score" else float(score == 1.0)
+        if self.reward_mode == "score" and 0.0 < score < 1.0:
+            # partial credit counts only above what the constant all-zero answer already gets on this item
+            baseline = self._constant_baseline(problem.id, generator, entry, config)
+            detail["constant_baseline"] = baseline
+            reward = max(0.0, (score - baseline) / (1.0 - baseline)) if baseline < 1.0 else 0.0
         return Verdict(reward=reward, passed=score == 1.0, reason=result.reason, detail=detail)
+
+    def _constant_baseline(self, problem_id: str, generator: str, entry: dict[str, Any],
+                           config: dict[str, Any]) -> float:
+        """The scorer's partial credit for the oracle's layout with every number zero (an all-zero grid), once
+        per item; 0 where the oracle has no numbers to zero."""
+        zero = zero_layout(entry.get("answer"))
+        if zero is None:
+            return 0.0
+        if problem_id not in self._baselines:
+            self._baselines[problem_id] = score_in_sandbox(generator, zero, entry, config=config).score or 0.0
+        return self._baselines[problem_id]
 
     def reference(self, problem: Problem) -> str | None:
         """``#### <the oracle answer>`` (line breaks encoded), or a solution kept in the metadata."""
@@ -1204,6 +1441,20 @@ class ReasoningGym(Environment):
         loose = [("tolerance", "#### " + encode_answer(generator, outside))] if outside else []
         return ([("restated", "#### " + encode_answer(self.generator, text)) for text in restated] + loose
                 + [("hack", completion) for completion in self.hack_completions(problem)])
+
+    def probe_completions(self, problem: Problem) -> list[tuple[str, str]]:
+        """The quality check's move sprays for move-list generators: the oracle behind a long spray of back-and-forth
+        moves (sokoban), or every car moved back and forth many times (rush_hour, which has no oracle)."""
+        entry = _entry(problem)
+        generator, _ = self.scoring_generator(entry)
+        if generator == "sokoban" and entry["answer"]:
+            return [("move_spray", "#### " + "LR" * (len(entry["answer"]) + MOVE_EXTRA) + entry["answer"])]
+        if generator == "rush_hour":
+            pieces, _ = rush_hour_pieces(str(entry["metadata"].get("board_config", "")))
+            moves = [f"{chr(65 + i)}{sign}{steps}" for i in range(len(pieces)) for steps in (1, 2, 3)
+                     for sign in "+-"]
+            return [("move_spray", "#### " + " ".join(moves * 20))]
+        return []
 
     def hack_completions(self, problem: Problem) -> list[str]:
         """Answers that try to take over a scorer that evals them, or to print a grade: all must earn 0."""

@@ -66,7 +66,7 @@ from typing import Any, ClassVar
 
 from evertrain.envs.base import Environment, Problem, Split, Tool, Verdict, vendored_path
 from evertrain.envs.terminal_levels import generated_spec, task_names
-from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, strip_tool_blocks
+from evertrain.envs.tools import Message, ToolOutput, _blocks, _clean_input, _fenced_body, parse_tool_call
 from evertrain.sandbox.bwrap import Limits, run_python
 
 TOOL = "bash"
@@ -118,6 +118,40 @@ open(u.cache_from_source(path), "wb").write(head + marshal.dumps(code))
 ' "$f"; done"""
 
 
+def _fence_kept(command: str) -> str:
+    return f"```\n{command}\n```" if _fenced_body(command) is not None else command
+
+
+def refusal(command: str) -> str | None:
+    """Why the terminal refuses ``command`` without running it, or None: the ONE rule of what runs, applied by
+    the tool during an episode and by every replay of its log (the tool's own later calls and the grader's)."""
+    if len(command) > MAX_COMMAND_CHARS:
+        return f"the command is longer than {MAX_COMMAND_CHARS} characters"
+    return None
+
+
+# The quality check's terminal probes (Terminal.probe_completions): a snapshot of the workspace's files before
+# the reference solution runs, then the files it created or changed ($changed) and the paths it removed
+# ($removed), each transformed into what a task's check must refuse.
+_PROBE_SNAPSHOT = "mkdir -p .p && find . -path ./.p -prune -o -type f -print | sort > .p/paths && " \
+                  "find . -path ./.p -prune -o -type f -exec md5sum {} + | sort > .p/sums"
+_PROBE_CHANGED = ("changed=$(find . -path ./.p -prune -o -type f -exec md5sum {} + | sort | comm -13 .p/sums - "
+                  "| cut -c35-); removed=$(find . -path ./.p -prune -o -type f -print | sort | comm -23 .p/paths -); ")
+_PROBE_WIPE = ' || find . -mindepth 1 -delete'
+_PROBE_TRANSFORMS: dict[str, str] = {
+    "symlinked": 'for f in $changed; do mkdir -p ".p/$(dirname "$f")" && mv "$f" ".p/$f" && ln -sr ".p/$f" "$f"; '
+                 'done; [ -n "$changed" ]' + _PROBE_WIPE,
+    "wrong_type": 'rm -rf .p; for f in $changed; do rm -f "$f" && mkdir -p "$f"; done; [ -n "$changed" ]' + _PROBE_WIPE,
+    # not Python sources: a fix joined on one line can still be the same program
+    "one_line": 'rm -rf .p; n=0; for f in $changed; do case "$f" in *.py) continue;; esac; '
+                'if [ "$(wc -l < "$f")" -gt 1 ]; then n=1; '
+                'tr "\\n" " " < "$f" > "$f.1" && mv "$f.1" "$f"; fi; done; [ "$n" = 1 ]' + _PROBE_WIPE,
+    "dangling_link": 'rm -rf .p; for f in $removed; do ln -s nowhere "$f"; done; [ -n "$removed" ]' + _PROBE_WIPE,
+    "renamed": 'mkdir -p .p/r && for f in $removed; do touch "$f.bak"; done; rm -rf .p; [ -n "$removed" ]'
+               + _PROBE_WIPE,
+}
+
+
 def episode_limits(commands: int) -> Limits:
     """Limits for a sandbox that runs ``commands`` commands back to back."""
     return Limits(timeout_s=5.0 + COMMAND_TIMEOUT_S * commands, **_EPISODE_LIMITS)
@@ -139,6 +173,9 @@ class TerminalTask:
     files: dict[str, str]
     check: str
     solution: list[str]
+    # the task is about links: its workspace may hold symbolic or hard links (every other task's check fails
+    # on one, see evertrain/sandbox/terminal_check.py), and read() follows them
+    links: bool = False
 
     @classmethod
     def load(cls, path: Path) -> TerminalTask:
@@ -160,8 +197,11 @@ class TerminalTask:
                 raise ValueError(f"terminal task {path}: file {name!r} must be a relative path inside the workspace")
         if not isinstance(data["solution"], list) or not all(isinstance(c, str) for c in data["solution"]):
             raise ValueError(f"terminal task {path}: solution must be a list of shell commands")
+        links = data.get("links", False)
+        if not isinstance(links, bool):
+            raise ValueError(f"terminal task {path}: links must be true or false, not {links!r}")
         return cls(name=path.stem, split=split, prompt=data["prompt"].strip(), files=dict(files),
-                   check=data["check"], solution=list(data["solution"]))
+                   check=data["check"], solution=list(data["solution"]), links=links)
 
 
 def workspace_tar(files: dict[str, str]) -> bytes:
@@ -241,11 +281,15 @@ class TerminalTool(Tool):
         return self.run_after([], call, problem)
 
     def run_after(self, earlier: list[str], call: str, problem: Problem) -> ToolOutput:
-        """Run ``call`` after replaying ``earlier`` (this episode's earlier commands) in a fresh workspace."""
-        if len(call) > MAX_COMMAND_CHARS:
-            return ToolOutput(f"refused: the command is longer than {MAX_COMMAND_CHARS} characters", error=True)
+        """Run ``call`` after replaying ``earlier`` (this episode's earlier commands) in a fresh workspace.
+
+        A command :func:`refusal` refuses never runs, here or in a replay: the earlier commands are replayed
+        by the same rule the grader replays the episode's log with (:meth:`Terminal.replayed`)."""
+        if why := refusal(call):
+            return ToolOutput(f"refused: {why}", error=True)
         tar = base64.b64decode(problem.payload["workspace"])
-        data, audit, error = run_commands(tar, [*earlier, call], purpose="tool:terminal")
+        ran = [command for command in earlier if refusal(command) is None]
+        data, audit, error = run_commands(tar, [*ran, call], purpose="tool:terminal")
         if data is None:
             return ToolOutput(error, error=True, sandbox_runs=[audit])
         result = data["results"][-1]
@@ -350,27 +394,67 @@ class Terminal(Environment):
 
     def commands(self, completion: str) -> list[str]:
         """The commands of a command log: every well-formed, non-blank <bash> block, in order, at most
-        ``max_turns - 1`` of them (an episode's last turn never runs a command)."""
+        ``max_turns - 1`` of them (an episode's last turn never runs a command), refused ones included (they
+        are logged as the tool refused them, and :meth:`replayed` skips them as the tool did)."""
         found = [_clean_input(inner) for _, _, _, inner, well_formed in _blocks(completion, [TOOL]) if well_formed]
         return [command for command in found if command.strip()][:self.max_turns - 1]
 
+    @staticmethod
+    def replayed(commands: list[str]) -> list[str]:
+        """The commands of a log that ran: those :func:`refusal` lets through, in order."""
+        return [command for command in commands if refusal(command) is None]
+
+    @staticmethod
+    def log(commands: list[str]) -> str:
+        """The graded text of an episode that issued ``commands``: each as a <bash> block, and nothing else.
+        :meth:`commands` reads back exactly ``commands``: a command that itself looks like a fenced block gets
+        one more fence, which the reading removes (it removes one, as the rollout's parser did)."""
+        return "\n".join(f"<bash>\n{_fence_kept(command)}\n</bash>" for command in commands)
+
     def episode_text(self, turns: list[Message]) -> str:
-        """The command log of an episode: its executed commands as <bash> blocks, then the final turn's prose."""
-        blocks = [f"<bash>\n{turn['input']}\n</bash>" for turn in turns
-                  if turn.get("role") == "tool" and isinstance(turn.get("input"), str)]
-        final = [t for t in turns if t.get("role") == "assistant"]
-        prose = strip_tool_blocks(str(final[-1]["content"]), self.tools).strip() if final else ""
-        # an unexecuted call in the last turn is removed above; a stray opening tag must not join the log
-        prose = prose.replace("<bash>", "").replace("</bash>", "")
-        return "\n".join([*blocks, prose]).strip()
+        """The command log of an episode: the commands the tool was given (the ``input`` of its tool turns), in
+        order, as <bash> blocks, and nothing else. The assistant's prose is not part of the graded text: text
+        rebuilt from prose after tool blocks are stripped could put a command into the log that never ran."""
+        return self.log([turn["input"] for turn in turns
+                         if turn.get("role") == "tool" and isinstance(turn.get("input"), str)])
+
+    def transcript_commands(self, turns: list[Message]) -> list[str] | None:
+        """The commands of a stored episode, derived from its assistant turns alone: the call of every assistant
+        turn that a tool turn answers (the rollout ran it), by the rollout's own parser. None when the tool turns
+        do not match (a transcript the rollout could not have written)."""
+        commands: list[str] = []
+        for turn, after in zip(turns, [*turns[1:], None], strict=True):
+            if turn.get("role") == "tool" and not isinstance(turn.get("input"), str):
+                return None
+            if turn.get("role") != "assistant" or after is None or after.get("role") != "tool":
+                continue
+            call = parse_tool_call(str(turn.get("content", "")), self.tools)
+            if call is None or call.input != after.get("input"):
+                return None
+            commands.append(call.input)
+        return commands
+
+    def verify_transcript(self, problem: Problem, turns: list[Message]) -> Verdict:
+        """Grade a stored episode (its turns after the prompt): the commands its assistant turns made the tool run
+        (:meth:`transcript_commands`), replayed as :meth:`verify` replays the in-episode log, so the two grades of
+        one episode agree."""
+        commands = self.transcript_commands(turns)
+        if commands is None:
+            return Verdict.fail("transcript_mismatch", sandbox_runs=[])
+        if sum(turn.get("role") == "assistant" for turn in turns) > self.max_turns:
+            return Verdict.fail("too_many_turns", sandbox_runs=[])
+        return self.verify(problem, self.log(commands))
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         """Replay the command log in a fresh sandbox, then run the task's checker in another fresh one."""
         task = self.task(problem)
-        commands = self.commands(completion)
+        logged = self.commands(completion)
+        commands = self.replayed(logged)
         tar = base64.b64decode(problem.payload["workspace"])
         runs: list[dict[str, Any]] = []
         detail: dict[str, Any] = {"commands": [], "sandbox_runs": runs}
+        if len(commands) < len(logged):
+            detail["refused"] = [{"command": c[:200], "why": refusal(c)} for c in logged if refusal(c)]
         if commands:
             data, audit, error = run_commands(tar, commands, purpose="terminal:replay", want_tar=True)
             runs.append(audit)
@@ -385,7 +469,7 @@ class Terminal(Environment):
         nonce = secrets.token_hex(16)
         record = run_python(_CHECK_RUNNER, purpose="terminal:check", limits=CHECK_LIMITS,
                             files={"workspace.tar": tar, "bashrc": bashrc()},
-                            stdin=(nonce + "\n" + task.check).encode())
+                            stdin=(nonce + (" links" if task.links else "") + "\n" + task.check).encode())
         runs.append(_audit(record))
         lines = [line for line in record.stdout.splitlines() if line.strip()]
         last = lines[-1] if lines else ""
@@ -408,6 +492,17 @@ class Terminal(Environment):
         if other is not None and self.task(other).name != self.task(problem).name:
             cases.append(("other_problem", self.reference(other) or ""))
         return cases
+
+    def probe_completions(self, problem: Problem) -> list[tuple[str, str]]:
+        """The quality check's terminal probes: the reference solution, then every file it created or changed
+        made a symbolic link to a hidden copy, a folder, or its lines joined on one line, and every path it
+        removed a dangling link or a renamed copy; each leaves the task undone as asked. A probe that finds
+        nothing to change empties the workspace (it then fails, as a wrong answer should)."""
+        solution = self.task(problem).solution
+        if len(solution) + 2 > self.max_turns - 1:
+            return []
+        return [(label, self.log([_PROBE_SNAPSHOT, *solution, _PROBE_CHANGED + transform]))
+                for label, transform in _PROBE_TRANSFORMS.items()]
 
     def hack_completions(self, problem: Problem) -> list[str]:
         """Claims without work, commands that fake success, and commands past the turn limit: all earn 0."""

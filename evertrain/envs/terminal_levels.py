@@ -60,13 +60,20 @@ def _lines(rng: random.Random, count: int) -> list[str]:
 Template = Callable[[random.Random], dict[str, Any]]
 
 
+def _layout(expected: dict[str, str]) -> str:
+    """The check line that the whole workspace is ``expected`` (path -> kind), no more, no less: what a one-command
+    task asks leaves nothing else behind (a rename where a delete was asked, a link or a folder where a file was)."""
+    return f"found = tree()\nassert found == {expected!r}, f'the workspace holds {{found}}'\n"
+
+
 def _touch(rng: random.Random) -> dict[str, Any]:
     used: set[str] = set()
     other, name = _file(rng, used), _file(rng, used)
     return {"prompt": f"Create an empty file named {name}.", "files": {other: "keep me\n"},
             "solution": [f"touch {name}"],
-            "check": f"assert exists({name!r}), '{name} is missing'\nassert read({other!r}) == 'keep me\\n', "
-                     f"'{other} changed'\n"}
+            "check": _layout({name: "file", other: "file"})
+                     + f"assert read({name!r}) == '', '{name} is not empty'\n"
+                       f"assert read({other!r}) == 'keep me\\n', '{other} changed'\n"}
 
 
 def _write_word(rng: random.Random) -> dict[str, Any]:
@@ -74,8 +81,8 @@ def _write_word(rng: random.Random) -> dict[str, Any]:
     other, name, word = _file(rng, used), _file(rng, used), rng.choice(_WORDS)
     return {"prompt": f"Write the word {word} into a new file named {name}.", "files": {other: "hello\n"},
             "solution": [f"echo {word} > {name}"],
-            "check": f"assert exists({name!r}), '{name} is missing'\n"
-                     f"assert read({name!r}).strip() == {word!r}, 'wrong content'\n"}
+            "check": _layout({name: "file", other: "file"})
+                     + f"assert lines({name!r}) == [{word!r}], 'wrong content'\n"}
 
 
 def _mkdir(rng: random.Random) -> dict[str, Any]:
@@ -83,7 +90,7 @@ def _mkdir(rng: random.Random) -> dict[str, Any]:
     other, folder = _file(rng, used), rng.choice(_DIRS)
     return {"prompt": f"Make a folder named {folder}.", "files": {other: "hello\n"},
             "solution": [f"mkdir {folder}"],
-            "check": f"code, out, err = sh('test -d {folder}')\nassert code == 0, '{folder} is not a folder'\n"}
+            "check": _layout({folder: "dir", other: "file"})}
 
 
 def _move(rng: random.Random) -> dict[str, Any]:
@@ -92,8 +99,7 @@ def _move(rng: random.Random) -> dict[str, Any]:
     text = "\n".join(_lines(rng, 3)) + "\n"
     return {"prompt": f"Rename the file {src} to {dst}.", "files": {src: text},
             "solution": [f"mv {src} {dst}"],
-            "check": f"assert not exists({src!r}), '{src} is still there'\n"
-                     f"assert exists({dst!r}) and read({dst!r}) == {text!r}, '{dst} is missing or changed'\n"}
+            "check": _layout({dst: "file"}) + f"assert read({dst!r}) == {text!r}, '{dst} changed'\n"}
 
 
 def _copy(rng: random.Random) -> dict[str, Any]:
@@ -102,8 +108,9 @@ def _copy(rng: random.Random) -> dict[str, Any]:
     text = "\n".join(_lines(rng, 2)) + "\n"
     return {"prompt": f"Make a copy of {src} named {dst}.", "files": {src: text},
             "solution": [f"cp {src} {dst}"],
-            "check": f"assert exists({src!r}) and read({src!r}) == {text!r}, '{src} was lost'\n"
-                     f"assert exists({dst!r}) and read({dst!r}) == {text!r}, '{dst} is missing or different'\n"}
+            "check": _layout({dst: "file", src: "file"})
+                     + f"assert read({src!r}) == {text!r}, '{src} changed'\n"
+                       f"assert read({dst!r}) == {text!r}, '{dst} is different'\n"}
 
 
 def _delete(rng: random.Random) -> dict[str, Any]:
@@ -111,8 +118,7 @@ def _delete(rng: random.Random) -> dict[str, Any]:
     gone, keep = _file(rng, used), _file(rng, used)
     return {"prompt": f"Delete the file {gone}.", "files": {gone: "old\n", keep: "keep me\n"},
             "solution": [f"rm {gone}"],
-            "check": f"assert not exists({gone!r}), '{gone} is still there'\n"
-                     f"assert exists({keep!r}), '{keep} was deleted too'\n"}
+            "check": _layout({keep: "file"}) + f"assert read({keep!r}) == 'keep me\\n', '{keep} changed'\n"}
 
 
 def _move_into(rng: random.Random) -> dict[str, Any]:
@@ -121,8 +127,8 @@ def _move_into(rng: random.Random) -> dict[str, Any]:
     return {"prompt": f"Move the file {name} into the folder {folder}.",
             "files": {name: "move me\n", f"{folder}/.keep": ""},
             "solution": [f"mv {name} {folder}/"],
-            "check": f"assert not exists({name!r}), '{name} is still here'\n"
-                     f"assert exists('{folder}/{name}'), '{name} is not in {folder}'\n"}
+            "check": _layout({folder: "dir", f"{folder}/.keep": "file", f"{folder}/{name}": "file"})
+                     + f"assert read('{folder}/{name}') == 'move me\\n', '{name} changed'\n"}
 
 
 def _grep(rng: random.Random) -> dict[str, Any]:
@@ -134,8 +140,7 @@ def _grep(rng: random.Random) -> dict[str, Any]:
     wanted = [line for line in lines if word in line]
     return {"prompt": f"Write the lines of {src} that contain the word {word} into {out}.",
             "files": {src: "\n".join(lines) + "\n"}, "solution": [f"grep {word} {src} > {out}"],
-            "check": f"assert exists({out!r}), '{out} is missing'\n"
-                     f"assert read({out!r}).splitlines() == {wanted!r}, 'wrong lines'\n"}
+            "check": _layout({out: "file", src: "file"}) + f"assert lines({out!r}) == {wanted!r}, 'wrong lines'\n"}
 
 
 def _head(rng: random.Random) -> dict[str, Any]:
@@ -144,8 +149,7 @@ def _head(rng: random.Random) -> dict[str, Any]:
     lines = _lines(rng, 5)
     return {"prompt": f"Write the first line of {src} into {out}.", "files": {src: "\n".join(lines) + "\n"},
             "solution": [f"head -n 1 {src} > {out}"],
-            "check": f"assert exists({out!r}), '{out} is missing'\n"
-                     f"assert read({out!r}).strip() == {lines[0]!r}, 'wrong line'\n"}
+            "check": _layout({out: "file", src: "file"}) + f"assert lines({out!r}) == [{lines[0]!r}], 'wrong line'\n"}
 
 
 TEMPLATES: dict[str, Template] = {

@@ -495,18 +495,24 @@ def run_episode(env: Environment, problem: Problem, respond: Callable[[], str], 
 
     ``respond()`` returns the policy's next assistant turn (it may read the transcript through a
     closure). While the last turn makes a call and fewer than ``env.max_turns`` assistant turns were
-    taken, the tool runs and its reply is appended as ``{"role": "tool", "content", "name", "error"}``;
+    taken, the tool runs (a stateful one, the terminal, after replaying the episode's earlier calls, as the
+    batched loop does) and its reply is appended as ``{"role": "tool", "name", "input", "content", "error"}``;
     ``on_result`` sees each raw result (for its ``sandbox_runs``). Returns the turns after the prompt.
     """
     tools: Mapping[str, Tool] = env.tools
     turns: list[Message] = [{"role": "assistant", "content": respond()}]
     taken = 1
     while taken < env.max_turns and (call := parse_tool_call(turns[-1]["content"], tools)) is not None:
-        result = tools[call.name].run(call.input, problem)
+        tool = tools[call.name]
+        if getattr(tool, "stateful", False):  # a terminal: it replays the episode's earlier calls first
+            earlier = [t["input"] for t in turns if t["role"] == "tool" and t["name"] == call.name]
+            result = tool.run_after(earlier, call.input, problem)  # type: ignore[attr-defined]
+        else:
+            result = tool.run(call.input, problem)
         if on_result is not None:
             on_result(call, result)
-        turns.append({"role": "tool", "name": call.name, "content": format_tool_result(call.name, result),
-                      "error": result.error})
+        turns.append({"role": "tool", "name": call.name, "input": call.input,
+                      "content": format_tool_result(call.name, result), "error": result.error})
         turns.append({"role": "assistant", "content": respond()})
         taken += 1
     return turns

@@ -1,0 +1,130 @@
+"""Base-model answers graded by this checkout's graders and by another checkout's: do pass rates change?
+
+    python benchmarks/grader_agreement.py --old-checkout /path/to/main [--samples 2] [--tokens 48]
+
+The embedded SmolLM2-135M-Instruct (the shipped configs' base model) answers the environments whose graders
+or pools changed in issue 41, as the shipped configs ask them (configs/terminal.toml: the terminal's generated
+held-out gate tasks and level-0 training tasks, 48 tokens a turn; configs/domains.toml: rg:basic_arithmetic and
+rg:products), greedily and with ``--samples`` samples at temperature 0.5. Every episode is graded here and, in a
+child process whose ``PYTHONPATH`` is ``--old-checkout``, by the old graders on the same text (the terminal's
+old command log included prose, so it is rebuilt there from the same turns). Prints a table and writes
+benchmarks/results/grader_agreement.json: pass rates under both, every disagreement, and the held-out pools'
+sizes and ids dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in the old checkout's child process: grade the stored episodes there (stdin: JSON; stdout: JSON).
+_OLD_GRADER = r"""
+import json, sys
+from evertrain.envs import registry
+from evertrain.envs.terminal_levels import task_names
+data = json.load(sys.stdin)
+out = {}
+for env_name, options, items in data:
+    env = registry.get(env_name, **options)
+    if env_name == "terminal":
+        problems = {p.id: p for p in env.generated_problems([i["task"] for i in items], "train")}
+    else:
+        problems = {p.id: p for p in env.problems("eval", 100, 0)}
+    rewards = []
+    for item in items:
+        problem = problems.get(item["problem_id"])
+        if problem is None:
+            rewards.append(None)  # not in the old pool (or not rebuilt): counted apart
+            continue
+        text = env.episode_text(item["turns"]) if env_name == "terminal" else item["text"]
+        rewards.append(env.verify(problem, text).reward)
+    out[env_name] = {"pool": sorted(problems) if env_name != "terminal" else [], "rewards": rewards}
+print(json.dumps(out))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old-checkout", required=True)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/grader_agreement.json"))
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from evertrain.config import ModelConfig
+    from evertrain.envs import registry
+    from evertrain.envs.terminal_levels import task_names
+    from evertrain.models.episodes import sample_episodes
+    from evertrain.models.policy import encode_chat, load_tokenizer, resolve_base
+
+    torch.set_num_threads(2)
+    started = time.time()
+    path = resolve_base(ModelConfig())
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    plan = [("terminal", {"held_out": "generated"}), ("rg:basic_arithmetic", {}), ("rg:products", {})]
+    stored: list[tuple[str, dict, list[dict]]] = []
+    new_rewards: dict[str, list[float]] = {}
+    pools: dict[str, list[str]] = {}
+    for name, options in plan:
+        env = registry.get(name, **options)
+        if name == "terminal":  # the gate's 27 generated held-out tasks and 18 level-0 training tasks
+            problems = env.problems("eval", 27, 0) + env.generated_problems(task_names(18, 0), "train")
+        else:
+            problems = env.problems("eval", 30, 0)
+            pools[name] = sorted(p.id for p in env.problems("eval", 100, 0))
+        prompts = [encode_chat(tokenizer, env.messages(p)) for p in problems]
+        items: list[dict] = []
+        rewards: list[float] = []
+        for greedy, n in ((True, 1), (False, args.samples))[:1 + (args.samples > 0)]:
+            groups, _ = sample_episodes(model, tokenizer, env, problems, prompts, n, max_new_tokens=args.tokens,
+                                        temperature=0.5, greedy=greedy, seed=1)
+            for problem, group in zip(problems, groups, strict=True):
+                for episode in group:
+                    turns = [{k: v for k, v in t.items() if k != "tokens"} for t in episode.turns]
+                    items.append({"problem_id": problem.id, "task": problem.payload.get("task"), "turns": turns,
+                                  "text": episode.text, "greedy": greedy})
+                    rewards.append(env.verify(problem, episode.text).reward)
+        stored.append((name, options, items))
+        new_rewards[name] = rewards
+        print(f"{name}: {len(items)} episodes sampled and graded ({time.time() - started:.0f} s)", file=sys.stderr)
+    done = subprocess.run([sys.executable, "-c", _OLD_GRADER], input=json.dumps(stored), capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": args.old_checkout}, cwd=args.old_checkout,
+                          check=True)
+    old = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = []
+    print(f"{'environment':22s} {'episodes':>8} {'old pass':>9} {'new pass':>9} {'disagree':>8} {'pool dropped':>12}")
+    for name, _, items in stored:
+        old_rewards, mine = old[name]["rewards"], new_rewards[name]
+        both = [(o, n) for o, n in zip(old_rewards, mine, strict=True) if o is not None]
+        disagree = [{"task": item["task"], "problem_id": item["problem_id"], "old": o, "new": n,
+                     "commands": item["text"][:300]}
+                    for item, o, n in zip(items, old_rewards, mine, strict=True) if o is not None and o != n]
+        dropped = sorted(set(old[name]["pool"]) - set(pools[name])) if name in pools else []
+        row = {"env": name, "episodes": len(items), "graded_by_both": len(both),
+               "old_pass": sum(o for o, _ in both) / max(1, len(both)),
+               "new_pass": sum(n for _, n in both) / max(1, len(both)), "disagreements": disagree,
+               "pool_dropped": dropped}
+        rows.append(row)
+        print(f"{name:22s} {len(items):>8} {row['old_pass']:>9.3f} {row['new_pass']:>9.3f} {len(disagree):>8} "
+              f"{len(dropped):>12}")
+    out = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cores, shared with other work", "wall_s": round(time.time() - started, 1),
+           "environments": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
