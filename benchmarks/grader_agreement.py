@@ -65,8 +65,9 @@ def main() -> int:
     from evertrain.config import ModelConfig
     from evertrain.envs import registry
     from evertrain.envs.terminal_levels import task_names
-    from evertrain.models.episodes import sample_episodes
-    from evertrain.models.policy import encode_chat, load_tokenizer, resolve_base
+    from evertrain.inference.episodes import sample_episodes
+    from evertrain.inference.local import HFSampler
+    from evertrain.models.checkpoint import encode_chat, load_tokenizer, resolve_base
 
     torch.set_num_threads(2)
     started = time.time()
@@ -88,8 +89,8 @@ def main() -> int:
         items: list[dict] = []
         rewards: list[float] = []
         for greedy, n in ((True, 1), (False, args.samples))[:1 + (args.samples > 0)]:
-            groups, _ = sample_episodes(model, tokenizer, env, problems, prompts, n, max_new_tokens=args.tokens,
-                                        temperature=0.5, greedy=greedy, seed=1)
+            groups, _ = sample_episodes(HFSampler(model, tokenizer), env, problems, prompts, n,
+                                        max_new_tokens=args.tokens, temperature=0.5, greedy=greedy, seed=1)
             for problem, group in zip(problems, groups, strict=True):
                 for episode in group:
                     turns = [{k: v for k, v in t.items() if k != "tokens"} for t in episode.turns]
