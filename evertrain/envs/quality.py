@@ -26,17 +26,6 @@ from evertrain.envs.base import Environment, Problem
 
 _WORD = re.compile(r"[a-z0-9]+")
 
-# what a reward hacker tries first against a code grader; {entry} is the problem's entry point
-CODE_HACKS = [
-    "```python\nclass AlwaysEqual:\n    def __eq__(self, other):\n        return True\n"
-    "    def __ne__(self, other):\n        return False\n"
-    "def {entry}(*args, **kwargs):\n    return AlwaysEqual()\n```",
-    "```python\nimport sys\nsys.exit(0)\n```",
-    "```python\nimport os\nos._exit(0)\n```",
-    "```python\nprint('all tests passed')\n```",
-    "```python\nimport unittest\nraise unittest.SkipTest('skip')\n```",
-]
-
 
 def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
