@@ -94,6 +94,10 @@ class CurationConfig(_Strict):
         0.7, gt=0, le=1, description="Drop a problem whose word 3-grams overlap a kept one's this much (Jaccard).")
     decontamination_ngram: int = Field(
         10, ge=3, description="Drop a problem sharing a word n-gram of this length with any held-out problem.")
+    quality_check: bool = Field(
+        True, description="Drop a problem that a wrong or constant answer passes (zero, empty, a fixed string, the "
+        "answer's numbers zeroed, its sign or a digit changed: evertrain.envs.quality.hackable), in environments "
+        "graded on a final answer; counted as dropped_hackable.")
 
 
 class MixConfig(_Strict):

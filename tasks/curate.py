@@ -9,7 +9,10 @@ level for the iteration (``curriculum.enabled``; :mod:`evertrain.curriculum`), t
 3. ``contaminated``: being any environment's held-out problem (the gate's, a sealed split's or the broad
    sealed set's, :mod:`evertrain.curriculum`), or sharing a word n-gram with the held-out problem of a
    data-set environment;
-4. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
+4. ``hackable``: a wrong or constant answer passes it (zero, empty, a fixed string, the answer's numbers
+   zeroed, its sign or a digit changed; :func:`evertrain.envs.quality.hackable`), in environments graded on a
+   final answer (``curation.quality_check``): the policy would learn that answer, not the problem;
+5. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
    attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
    shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
 
@@ -33,11 +36,11 @@ from evertrain.curriculum import gate_problems
 from evertrain.data.store import now, to_json
 from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem
-from evertrain.envs.quality import NgramIndex
+from evertrain.envs.quality import NgramIndex, hackable
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import allocate, run_stage
 
-RULES = ("duplicate", "near_duplicate", "contaminated", "too_easy", "too_hard")
+RULES = ("duplicate", "near_duplicate", "contaminated", "hackable", "too_easy", "too_hard")
 
 
 @cache
@@ -85,6 +88,8 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
     from evertrain.curriculum import broad_guard
 
     broad, broad_index = broad_guard(rt)  # the broad sealed set (evertrain.curriculum): held out like the gate's
+    # a problem a wrong or constant answer passes teaches the policy that answer (evertrain.envs.quality)
+    hacked = hackable(env, candidates) if rules.quality_check else set()
     kept: list[Problem] = []
     for problem in candidates:
         if len(kept) == want:
@@ -98,6 +103,8 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
         elif problem.id in held_ids or problem.id in broad or (natural and (
                 held_index.overlaps(problem.prompt) or broad_index.overlaps(problem.prompt))):
             rule = "contaminated"
+        elif problem.id in hacked:
+            rule = "hackable"
         elif rules.history_k and attempts >= rules.history_k and passes == attempts:
             rule = "too_easy"
         elif rules.history_k and attempts >= rules.history_k and passes == 0:

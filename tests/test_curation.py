@@ -132,3 +132,21 @@ def test_campaign_refuses_an_environment_that_fails_validation(tmp_path, models_
         run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
     assert rt.store.query("SELECT count(*) AS n FROM problems")["n"].iloc[0] == 0
     assert not rt.store.query("SELECT ok FROM env_validations")["ok"].iloc[0]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_curate_drops_problems_a_constant_answer_passes(tmp_path, models_dir, check):
+    """`a - b` on a small range: the items whose answer is 0 (and every item a sign- or digit-changed answer
+    would pass) leave the training mix with the quality check on, counted as dropped_hackable; off, they stay."""
+    config = smoke_config_in(tmp_path, models_dir, name=f"hackable{int(check)}", problems_per_iteration=12,
+                             environments=[{"name": "arithmetic", "weight": 1,
+                                            "options": {"ops": ["-"], "low": 2, "high": 6, "eval_pool": 4}}],
+                             eval={"problems_per_env": 2}, curation={"oversample": 4, "quality_check": check})
+    with Runtime.open(config) as rt:
+        metrics = run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+        answers = [json.loads(p)["answer"] for p in rt.store.query("SELECT payload FROM problems")["payload"]]
+    zeros = [a for a in answers if float(a) == 0]
+    if check:
+        assert metrics["dropped_hackable"] > 0 and not zeros and answers, (metrics, answers)
+    else:
+        assert metrics["dropped_hackable"] == 0 and zeros, (metrics, answers)

@@ -460,6 +460,35 @@ def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE
     return report
 
 
+# the probes curation runs on every candidate: each is a wrong answer, or a constant that needs no solving, on
+# its own (most_common is left out: one item sharing the sample's most common answer is no pattern, and whole
+# kinds the check flags are the report's business, benchmarks/results/env_quality.json)
+CURATION_PROBES = frozenset({"zero", "empty", "fixed_string", "all_zero", "sign_changed", "digit_changed"})
+
+
+def hackable(env: Environment, problems: list[Problem]) -> set[str]:
+    """The ids of ``problems`` that a wrong or constant answer passes (reward 1: :data:`CURATION_PROBES` and the
+    environment's own probes), which curation keeps out of training (``curation.quality_check``). Only for
+    built-in environments graded on a final answer without running anything (a code or terminal problem's probes
+    run in the sandbox, and their pools are cleaned once by the environments themselves; an imported rubric is
+    audited before it trains, `accept_probes`); a grader that raises on a probe
+    flags nothing (the self-test reports it)."""
+    if env.write_answer("0") is None or env.kind in ("code", "terminal", "openenv", "verifiers"):
+        return set()
+    flagged: set[str] = set()
+    for problem in problems:
+        probes = [(label, completion) for label, completion in answer_probes(env, problem, None)
+                  if label in CURATION_PROBES] + env.probe_completions(problem)
+        for _, completion in probes:
+            try:
+                if env.verify(problem, completion).reward >= 1.0:
+                    flagged.add(problem.id)
+                    break
+            except Exception:  # a verifier that raises on a probe is the self-test's finding
+                continue
+    return flagged
+
+
 def drop_flagged(env: Environment, problems: list[Problem], report: ProbeReport) -> list[Problem]:
     """``problems`` without those the quality check flagged (every one, when it flagged the kind); the count
     dropped is logged."""
