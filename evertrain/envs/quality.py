@@ -15,16 +15,21 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from evertrain.envs.answers import parse_number
 from evertrain.envs.base import Environment, Problem
+from evertrain.envs.code import visible_constant
 
 _WORD = re.compile(r"[a-z0-9]+")
+_log = logging.getLogger(__name__)
 
 
 def words(text: str) -> list[str]:
@@ -54,8 +59,6 @@ class NgramIndex:
     def drop_boilerplate(self, sample: list[str], max_share: float = 0.02, min_count: int = 2) -> None:
         """Forget n-grams found in more than ``max_share`` (and more than ``min_count``) of ``sample``'s texts:
         instructions repeated in every prompt of a data set are not evidence of a leaked problem."""
-        from collections import Counter
-
         counts = Counter(g for text in sample for g in shingles(text, self.n))
         limit = max(min_count, int(max_share * len(sample)))
         common = {g for g, c in counts.items() if c > limit}
@@ -150,8 +153,6 @@ class ValidationReport:
 
 def _same_answer(a: str, b: str | None) -> bool:
     """Whether two answers are the same after normalisation (then a 'wrong' answer would be right)."""
-    from evertrain.envs.answers import parse_number
-
     if b is None:
         return False
     if a.strip().lower() == b.strip().lower():
@@ -398,38 +399,39 @@ def answer_probes(env: Environment, problem: Problem, common: str | None) -> lis
 
 def code_probes(problem: Problem) -> list[tuple[str, str]]:
     """The generic probe of a code problem: a function returning the visible test's value (hard-coding)."""
-    from evertrain.envs.code import visible_constant
-
     completion = visible_constant(problem.payload) if problem.payload.get("tests") else None
     return [] if completion is None else [("visible_value", completion)]
 
 
-def probes_for(env: Environment, problem: Problem, common: str | None) -> list[tuple[str, str]]:
-    """Every probe of ``problem``: the generic ones for its kind, then the environment's own
-    (``Environment.probe_completions``: move sprays, symlinked or wrongly typed files ...)."""
+def probes_for(env: Environment, problem: Problem, common: str | None,
+               answers: frozenset[str] | None = None) -> list[tuple[str, str]]:
+    """Every probe of ``problem``: the generic ones for its kind (of the answer probes, only ``answers`` when
+    given), then the environment's own (``Environment.probe_completions``: move sprays, symlinked or wrongly typed
+    files ...)."""
     generic = answer_probes(env, problem, common) if env.write_answer("0") is not None else []
+    if answers is not None:
+        generic = [(label, completion) for label, completion in generic if label in answers]
     if env.kind == "code":
         generic += code_probes(problem)
     return generic + env.probe_completions(problem)
 
 
 def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE_THRESHOLD,
-          workers: int = 2, graded: dict[tuple[str, str], float] | None = None) -> ProbeReport:
+          workers: int = 2, graded: dict[tuple[str, str], float] | None = None,
+          answers: frozenset[str] | None = None) -> ProbeReport:
     """The quality check of ``env`` on ``problems``: every probe (:func:`probes_for`) graded on every item,
     and the share of items each passes. Reusable on any :class:`Environment` (imported verifiers included).
 
     Cost: one grade per probe and item (about 7 for an answer environment, 1 for code, 5 for the terminal),
     graded on ``workers`` threads; ``graded`` ((problem id, completion) -> reward, e.g. the self-test's cases)
-    holds grades already made, which are reused."""
-    from collections import Counter
-
+    holds grades already made, which are reused; ``answers``: only these of the generic answer probes."""
     report = ProbeReport(env.name, len(problems), threshold)
     started = time.monotonic()
     oracles = [a for a in (env.oracle_answer(p) for p in problems) if a]
     # the most common answer is a constant only where it is common: an answer that one item has is that item's
     most = Counter(oracles).most_common(1)
     common = most[0][0] if most and most[0][1] >= 2 else None
-    todo = [(p, label, completion) for p in problems for label, completion in probes_for(env, p, common)]
+    todo = [(p, label, completion) for p in problems for label, completion in probes_for(env, p, common, answers)]
 
     def run(case: tuple[Problem, str, str]) -> tuple[float, str | None]:
         problem, _, completion = case
@@ -475,28 +477,15 @@ def hackable(env: Environment, problems: list[Problem]) -> set[str]:
     flags nothing (the self-test reports it)."""
     if env.write_answer("0") is None or env.kind in ("code", "terminal", "openenv", "verifiers"):
         return set()
-    flagged: set[str] = set()
-    for problem in problems:
-        probes = [(label, completion) for label, completion in answer_probes(env, problem, None)
-                  if label in CURATION_PROBES] + env.probe_completions(problem)
-        for _, completion in probes:
-            try:
-                if env.verify(problem, completion).reward >= 1.0:
-                    flagged.add(problem.id)
-                    break
-            except Exception:  # a verifier that raises on a probe is the self-test's finding
-                continue
-    return flagged
+    return set(probe(env, problems, workers=1, answers=CURATION_PROBES).flagged_items())
 
 
 def drop_flagged(env: Environment, problems: list[Problem], report: ProbeReport) -> list[Problem]:
     """``problems`` without those the quality check flagged (every one, when it flagged the kind); the count
     dropped is logged."""
-    import logging
-
     dropped = report.drop_ids([p.id for p in problems])
     if dropped:
-        logging.getLogger(__name__).warning(
+        _log.warning(
             "%s: the quality check drops %d of %d training problems (probes flagged: %s)", env.name, len(dropped),
             len(problems), ", ".join(report.flagged_probes) or "per item")
     return [p for p in problems if p.id not in dropped]
