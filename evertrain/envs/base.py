@@ -13,6 +13,7 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -80,6 +81,16 @@ class Tool(ABC):
     @abstractmethod
     def run(self, call: str, problem: Problem) -> ToolResult:
         """Execute ``call`` (the text inside the tool tags) for ``problem``."""
+
+    def run_after(self, earlier: list[str], call: str, problem: Problem) -> ToolResult:
+        """Execute ``call`` in an episode whose earlier calls of this tool were ``earlier``. A stateless tool
+        ignores them; a stateful one (the terminal) replays them first. Both rollout loops call this."""
+        return self.run(call, problem)
+
+
+def earlier_calls(turns: Sequence[Mapping[str, Any]], tool: str) -> list[str]:
+    """The inputs of an episode's earlier calls of ``tool``, in order (what :meth:`Tool.run_after` is given)."""
+    return [t["input"] for t in turns if t["role"] == "tool" and t["name"] == tool]
 
 
 class Environment(ABC):

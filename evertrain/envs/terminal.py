@@ -275,8 +275,6 @@ class TerminalTool(Tool):
     name: ClassVar[str] = TOOL
     description: ClassVar[str] = (
         "Runs one bash command in the task's workspace (no network) and replies with its output.")
-    stateful: ClassVar[bool] = True  # the rollout passes the episode's earlier commands (run_after)
-
     def run(self, call: str, problem: Problem) -> ToolOutput:
         return self.run_after([], call, problem)
 

@@ -68,7 +68,7 @@ from typing import Any, ClassVar
 import duckdb
 
 from evertrain.envs.answers import grade_math
-from evertrain.envs.base import Environment, Problem, Tool, ToolResult, Verdict, vendored_path
+from evertrain.envs.base import Environment, Problem, Tool, ToolResult, Verdict, earlier_calls, vendored_path
 from evertrain.sandbox.bwrap import Limits, run_python
 from evertrain.sandbox.sql_worker import SqlWorker
 
@@ -503,12 +503,7 @@ def run_episode(env: Environment, problem: Problem, respond: Callable[[], str], 
     turns: list[Message] = [{"role": "assistant", "content": respond()}]
     taken = 1
     while taken < env.max_turns and (call := parse_tool_call(turns[-1]["content"], tools)) is not None:
-        tool = tools[call.name]
-        if getattr(tool, "stateful", False):  # a terminal: it replays the episode's earlier calls first
-            earlier = [t["input"] for t in turns if t["role"] == "tool" and t["name"] == call.name]
-            result = tool.run_after(earlier, call.input, problem)  # type: ignore[attr-defined]
-        else:
-            result = tool.run(call.input, problem)
+        result = tools[call.name].run_after(earlier_calls(turns, call.name), call.input, problem)
         if on_result is not None:
             on_result(call, result)
         turns.append({"role": "tool", "name": call.name, "input": call.input,

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from evertrain.envs.base import Environment, Problem
+from evertrain.envs.base import Environment, Problem, earlier_calls
 from evertrain.envs.tools import format_tool_result, parse_tool_call, stop_strings
 from evertrain.inference.base import Sample, Sampler, SamplingStats
 
@@ -112,11 +112,8 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
 
         def run(item: tuple[int, int, Any]) -> Any:
             g, i, call = item
-            tool = env.tools[call.name]
-            if getattr(tool, "stateful", False):  # a terminal: it replays the episode's earlier commands
-                earlier = [t["input"] for t in episodes[g][i].turns if t["role"] == "tool" and t["name"] == call.name]
-                return tool.run_after(earlier, call.input, problems[g])
-            return tool.run(call.input, problems[g])
+            return env.tools[call.name].run_after(earlier_calls(episodes[g][i].turns, call.name), call.input,
+                                                  problems[g])
 
         with ThreadPoolExecutor(max_workers=tool_workers) as pool:
             results = list(pool.map(run, pending))
