@@ -178,3 +178,19 @@ def test_a_pool_that_leaves_no_cpu_for_grading_is_refused(on_ray, tmp_path, mode
     greedy = configure(tmp_path, models_dir, {**RAY, "workers": 4})  # 4 x 0.5 CPUs + 0.5: more than the 2 there are
     with pytest.raises(ClusterError, match=r"offers 2 CPUs.*need 2\.5"):
         WorkerPool(greedy).start()
+
+
+def test_a_local_cluster_is_started_even_where_another_cluster_is_advertised(tmp_path, models_dir, monkeypatch,
+                                                                             ray_cluster):
+    """``cluster.address = "local"`` starts this process's own cluster of ``num_cpus`` even where RAY_ADDRESS (or
+    the cluster file ``ray start`` leaves on the machine, as the two-node test does) points at another one: a
+    plain ``ray.init()`` would join that one and then refuse ``num_cpus`` (the CI failure of stop 41)."""
+    import ray
+
+    from evertrain.inference.ray_workers import connect_ray, disconnect_ray
+
+    disconnect_ray()
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there
+    connect_ray(configure(tmp_path, models_dir, RAY))
+    assert ray.is_initialized() and ray.cluster_resources()["CPU"] == RAY["num_cpus"]
+    disconnect_ray()

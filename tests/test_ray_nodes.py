@@ -50,7 +50,7 @@ def two_nodes():
     from evertrain.inference.ray_workers import disconnect_ray
 
     disconnect_ray()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              object_store_memory=100 * 2**20,
              _system_config={"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                              "health_check_failure_threshold": 4})

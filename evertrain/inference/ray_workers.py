@@ -223,8 +223,10 @@ def connect_ray(campaign: CampaignConfig) -> None:
     if not ray.is_initialized():
         try:
             if cfg.address == "local":
-                ray.init(num_cpus=cfg.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
-                         log_to_driver=False, configure_logging=False)
+                # address="local" explicitly: without an address ray.init joins the last cluster `ray start` left
+                # on this machine (or RAY_ADDRESS), and then refuses num_cpus
+                ray.init(address="local", num_cpus=cfg.num_cpus or len(os.sched_getaffinity(0)),
+                         include_dashboard=False, log_to_driver=False, configure_logging=False)
             else:
                 ray.init(address=cfg.address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, ValueError, RuntimeError) as error:
