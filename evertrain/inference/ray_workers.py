@@ -43,6 +43,7 @@ from typing import Any
 import ray
 import torch
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evertrain import faults
 from evertrain.config import CampaignConfig, ClusterConfig
@@ -260,6 +261,7 @@ class WorkerPool:
         self._packed: dict[str, Any] = {}  # checkpoint key -> object ref of its packed checkpoint
         self._lock = threading.Lock()  # one fan-out at a time (async mode calls from two threads)
         self._remote_worker: Any = None
+        self._worker_options: dict[str, Any] = {}
         self.last = FanOutStats()
         self.history: list[tuple[str | None, FanOutStats]] = []  # (stage, stats) of every sampling fan-out
 
@@ -267,14 +269,22 @@ class WorkerPool:
         connect_ray(self.campaign)
         cfg = self.config
         # spread over the nodes: a lost node then takes only its share of the workers (each replaced on a survivor)
-        self._remote_worker = ray.remote(RolloutWorker).options(
-            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker, max_restarts=0, scheduling_strategy="SPREAD")
+        self._remote_worker = ray.remote(RolloutWorker)
+        self._worker_options = {"num_cpus": cfg.cpus_per_worker, "num_gpus": cfg.gpus_per_worker, "max_restarts": 0,
+                                "scheduling_strategy": "SPREAD"}
         while len(self.workers) < cfg.workers:
             self.workers.append(self._spawn())
 
-    def _spawn(self) -> Any:
+    def _spawn(self, replacement: bool = False) -> Any:
         threads = max(1, round(self.config.cpus_per_worker))
-        return self._remote_worker.remote(threads, self.campaign.model_dump_json())
+        options = dict(self._worker_options)
+        if replacement:
+            # a replacement goes to this process's node where it fits (soft: elsewhere when it does not): that node
+            # is alive, while the lost worker's node may still count as alive until its health check misses, and
+            # SPREAD would put the replacement right back on it to die with it
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=True)
+        return self._remote_worker.options(**options).remote(threads, self.campaign.model_dump_json())
 
     def shutdown(self) -> None:
         for worker in self.workers:
@@ -328,7 +338,7 @@ class WorkerPool:
                             raise ClusterError(
                                 f"rollout workers died {self.last.workers_replaced} times in one stage (more than "
                                 f"cluster.max_worker_restarts = {self.config.max_worker_restarts}): {error}") from None
-                        self.workers[slot] = self._spawn()
+                        self.workers[slot] = self._spawn(replacement=True)
                         pending.appendleft(shard)  # redone from scratch by the replacement
                         idle.append(slot)
                         continue
