@@ -415,6 +415,43 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """The endpoint's API keys: create (the secret printed once), list, revoke; each create and revoke audited."""
+    import duckdb
+
+    from evertrain.config import PathsConfig
+    from evertrain.data.store import Store
+    from evertrain.serving.auth import create_key, revoke_key
+
+    uri = args.store or (_config(args).paths.store if args.config else PathsConfig().store)
+    with Store(uri, read_only=args.action == "list") as store:
+        if args.action == "create":
+            secret, row = create_key(store, args.name, args.scopes, args.actor)
+            print(secret)
+            print(f"key {row['key_id']} ({row['name']!r}, scopes {row['scopes']}) made by {row['created_by']}; the "
+                  "secret above is shown only now (the store keeps its hash): send it as 'Authorization: Bearer "
+                  "<key>', or set EVERTRAIN_API_KEY for evertrain's own clients", file=sys.stderr)
+        elif args.action == "revoke":
+            revoked = revoke_key(store, args.key, args.actor)
+            if not revoked:
+                print(f"evertrain: error: no working API key has the id or name {args.key!r}", file=sys.stderr)
+                return 2
+            for row in revoked:
+                print(f"revoked {row['key_id']} ({row['name']!r}); the endpoints refuse it within "
+                      "serving.auth_cache_seconds")
+        else:
+            try:
+                frame = store.api_keys(include_revoked=args.all)
+            except duckdb.CatalogException:  # a store older than the keys (opened read-only: not upgraded)
+                print("(no API keys: this store has none yet)")
+                return 0
+            if args.json:
+                print(frame.to_json(orient="records", date_format="iso", indent=2))
+            else:
+                print(frame.to_string(index=False) if len(frame) else "(no API keys)")
+    return 0
+
+
 def cmd_services(args: argparse.Namespace) -> int:
     from evertrain import services
 
@@ -703,6 +740,29 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("--max-rows", type=int, default=100, help="rows shown in table format (default 100)")
     sql.set_defaults(func=cmd_sql)
 
+    keys = sub.add_parser("keys", help="the endpoint's API keys: create (the secret is printed once), list, revoke")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    for action, what in (("create", "make a key and print its secret (once: the store keeps only its hash)"),
+                         ("list", "the working keys (--all: the revoked ones too), without their secrets"),
+                         ("revoke", "revoke a key by id or name: the endpoints refuse it within "
+                                    "serving.auth_cache_seconds")):
+        verb = keys_sub.add_parser(action, help=what)
+        if action == "create":
+            verb.add_argument("--name", required=True, help="who or what uses it, e.g. 'support-bot'")
+            verb.add_argument("--scopes", default="infer",
+                              help="comma-separated, of infer (chat completions), feedback (POST /feedback), admin "
+                              "(default: infer)")
+        elif action == "revoke":
+            verb.add_argument("key", metavar="NAME_OR_ID", help="the key's id (key_...) or name")
+        else:
+            verb.add_argument("--all", action="store_true", help="the revoked keys too")
+            verb.add_argument("--json", action="store_true", help="print JSON")
+        if action != "list":
+            verb.add_argument("--actor", help="who does it, for the audit (default: the login name)")
+        verb.add_argument("--store", help="store URI (default: $EVERTRAIN_STORE, else the DuckLake store under data/)")
+        verb.add_argument("--config", help="campaign TOML file whose paths.store to use")
+        verb.set_defaults(func=cmd_keys)
+
     svc = sub.add_parser("services", help="PostgreSQL, a Prefect server and an MLflow server on it, on this machine")
     svc.add_argument("action", choices=["start", "stop", "status"])
     svc.add_argument("--dir", default=str(PROJECT_ROOT / ".services"), help="state folder (default .services/)")
@@ -815,13 +875,14 @@ def _input_errors() -> tuple[type[Exception], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.func is cmd_sql:  # a quick look from another shell: no torch, transformers or Prefect imports
+    if args.func in (cmd_sql, cmd_keys):  # quick, from another shell: no torch, transformers or Prefect imports
         from evertrain.config import ConfigError
         from evertrain.data.store import StoreError
+        from evertrain.serving.auth import KeySpecError
 
         try:
-            return cmd_sql(args)
-        except (ConfigError, StoreError) as error:
+            return int(args.func(args) or 0)
+        except (ConfigError, StoreError, KeySpecError) as error:
             print(f"evertrain: error: {error}", file=sys.stderr)
             return 2
     _environment()

@@ -479,6 +479,14 @@ class ServingConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Address the endpoint listens on ('0.0.0.0': every interface).")
     port: int = Field(8000, ge=0, le=65535, description="Port the endpoint listens on (0: any free port).")
+    auth: Literal["keys", "none"] = Field(
+        "keys", description="'keys': every request but /health needs 'Authorization: Bearer <key>', a key made by "
+        "`evertrain keys create` with the route's scope (infer: /v1/*, feedback: /feedback, admin: the rest); "
+        "'none': no keys, allowed only when host is a loopback address.")
+    auth_cache_seconds: float = Field(
+        5.0, ge=0, le=300, description="How long the endpoint trusts a key it found in the store before reading it "
+        "again: a revoked key stops working within this bound. A key not in the cache is read at once (a new key "
+        "works on its first request).")
     poll_seconds: float = Field(
         1.0, gt=0, le=60, description="How often the endpoint reads the champion alias from the registry; a "
         "promotion or rollback is served this long (plus the new weights' load time) after it happens.")
@@ -524,6 +532,26 @@ class ServingConfig(_Strict):
         "failures), so training keeps some problems the model already solves.")
     trace_window_hours: float = Field(
         168.0, gt=0, description="Only traces this recent are turned into training problems.")
+
+    @model_validator(mode="after")
+    def _auth_off_only_on_loopback(self) -> ServingConfig:
+        if self.auth == "none" and not is_loopback(self.host):
+            raise ValueError(f"serving.auth = 'none' with serving.host = {self.host!r}: an endpoint without keys may "
+                             "listen only on a loopback address (127.0.0.1, ::1, localhost); use serving.auth = "
+                             "'keys' (and `evertrain keys create`) to listen beyond this machine")
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or 'localhost') is reachable only from this machine ('0.0.0.0' is not)."""
+    import ipaddress
+
+    if host.strip().lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve to anything
+        return False
 
 
 class DriftConfig(_Strict):

@@ -541,6 +541,27 @@ class Queries:
                            [campaign, trace_ids])
         return dict(zip(frame["trace_id"], frame["passed"].astype(bool), strict=True))
 
+    # -- the endpoint's API keys ------------------------------------------------------------------------------
+
+    def api_key_by_hash(self, key_sha256: str) -> dict[str, Any] | None:
+        """The API key whose secret hashes to ``key_sha256`` (revoked ones included: ``revoked_at`` says), or
+        None. Errors are raised (a key that cannot be checked is not taken as valid or as unknown)."""
+        frame = self.query("SELECT key_id, name, prefix, scopes, created_at, revoked_at FROM api_keys "
+                           "WHERE key_sha256 = ? ORDER BY created_at DESC LIMIT 1", [key_sha256])
+        return None if frame.empty else frame.iloc[0].to_dict()
+
+    def api_keys(self, include_revoked: bool = True) -> pd.DataFrame:
+        """Every API key, newest first, without its hash: key_id, name, prefix, scopes, created_at, created_by,
+        revoked_at, revoked_by."""
+        where = "" if include_revoked else "WHERE revoked_at IS NULL "
+        return self.query("SELECT key_id, name, prefix, scopes, created_at, created_by, revoked_at, revoked_by "
+                          f"FROM api_keys {where}ORDER BY created_at DESC, key_id")
+
+    def api_key_events(self) -> pd.DataFrame:
+        """The API keys' audit, oldest first: key_id, name, action, scopes, actor, host, happened_at."""
+        return self.query("SELECT key_id, name, action, scopes, actor, host, happened_at FROM api_key_events "
+                          "ORDER BY happened_at, key_id")
+
     # -- the flow -------------------------------------------------------------------------------------------
 
     def completed_stages(self, campaign: str, stages: list[str]) -> pd.DataFrame:

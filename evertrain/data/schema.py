@@ -267,11 +267,32 @@ SCHEMA_MIGRATIONS = Table("schema_migrations", comment="the schema migrations ap
     Column("version", "INTEGER"), Column("description", "VARCHAR"), Column("applied_at", "TIMESTAMPTZ"),
                           ))
 
+API_KEYS = Table("api_keys", comment=(
+    "the endpoint's API keys (`evertrain keys`): only the SHA-256 of each secret is stored, never the secret"
+), key=("key_id",), columns=(
+    Column("key_id", "VARCHAR"), Column("name", "VARCHAR"),
+    Column("prefix", "VARCHAR", "the secret's first characters, to tell keys apart (not enough to use one)"),
+    Column("key_sha256", "VARCHAR", "hex SHA-256 of the secret (a 256-bit random token: no salt needed)"),
+    Column("scopes", "VARCHAR", "comma-separated: infer, feedback, admin"),
+    Column("created_at", "TIMESTAMPTZ"), Column("created_by", "VARCHAR"),
+    Column("revoked_at", "TIMESTAMPTZ", "NULL while the key works"), Column("revoked_by", "VARCHAR"),
+))
+API_KEY_EVENTS = Table("api_key_events", comment=(
+    "the audit of the API keys: every create and revoke, who did it, when and from which machine"
+), columns=(
+    Column("key_id", "VARCHAR"), Column("name", "VARCHAR"), Column("action", "VARCHAR", "create or revoke"),
+    Column("scopes", "VARCHAR"), Column("actor", "VARCHAR", "the OS user, or the command's --actor"),
+    Column("host", "VARCHAR"), Column("happened_at", "TIMESTAMPTZ"),
+))
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "the schema before migrations: problems, rollouts, evals, promotions, lineage, audit, serving, "
                  "curriculum", tuple(CreateTable(table) for table in V1_TABLES)),
     Migration(2, "schema_migrations (the applied migrations); version 1's columns an older store lacks",
               (FillColumns(1), CreateTable(SCHEMA_MIGRATIONS))),
+    Migration(3, "API keys of the endpoint (api_keys, hashed; api_key_events, their audit); the key of each trace",
+              (CreateTable(API_KEYS), CreateTable(API_KEY_EVENTS),
+               AddColumn("traces", Column("key_id", "VARCHAR", "the API key the request was made with (NULL: none)")))),
 )
 LATEST = MIGRATIONS[-1].version
 BOOKKEEPING = ("schema_info", "schema_migrations")  # the schema's own tables, not the campaign's data

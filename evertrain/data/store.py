@@ -50,7 +50,7 @@ LAKE = "lake"  # the name the DuckLake catalog is attached as (and made the defa
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
           "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples",
-          "approvals", "traces", "trace_feedback", "curriculum", "broad_sealed")
+          "approvals", "traces", "trace_feedback", "curriculum", "broad_sealed", "api_keys", "api_key_events")
 
 SCHEMA_VERSION = schema.LATEST
 SCHEMA = schema.ddl()  # the latest tables' DDL, for reading (the store is made by evertrain.data.schema.migrate)
@@ -607,6 +607,48 @@ class Store(Queries):
             version = int(parent)
             lags[version] = distance
         return lags
+
+    # --- the endpoint's API keys ------------------------------------------------------------------
+    def add_api_key(self, key: Mapping[str, Any], actor: str, host: str) -> None:
+        """Store a new API key (``key``: the columns of ``api_keys``, its secret's hash and never the secret) and
+        its 'create' audit row, in one transaction; a working key of the same name is refused (StoreError)."""
+        row = {column: key.get(column) for column in ("key_id", "name", "prefix", "key_sha256", "scopes",
+                                                        "created_at", "created_by")}
+        event = {"key_id": row["key_id"], "name": row["name"], "action": "create", "scopes": row["scopes"],
+                 "actor": actor, "host": host, "happened_at": row["created_at"]}
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            taken = con.execute("SELECT count(*) FROM api_keys WHERE name = ? AND revoked_at IS NULL",
+                                [row["name"]]).fetchone()[0]  # type: ignore[index]
+            if taken:
+                raise StoreError(f"an API key named {row['name']!r} exists and works: revoke it first, or choose "
+                                 "another name")
+            _insert(con, "api_keys", pd.DataFrame([row]), KEYS["api_keys"])
+            _insert(con, "api_key_events", pd.DataFrame([event]), ())
+
+        self._write(body)
+
+    def revoke_api_key(self, name_or_id: str, actor: str, host: str) -> list[dict[str, Any]]:
+        """Revoke the working key whose id or name is ``name_or_id`` (an id first), recording who, when and
+        from where; the keys revoked (empty: no working key has that id or name)."""
+        def body(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+            found = con.execute(
+                "SELECT key_id, name, scopes FROM api_keys WHERE revoked_at IS NULL AND key_id = ?",
+                [name_or_id]).fetchall() or con.execute(
+                "SELECT key_id, name, scopes FROM api_keys WHERE revoked_at IS NULL AND name = ?",
+                [name_or_id]).fetchall()
+            stamp = now()
+            for key_id, _name, _scopes in found:
+                con.execute("UPDATE api_keys SET revoked_at = ?, revoked_by = ? WHERE key_id = ?",
+                            [stamp, actor, key_id])
+            if found:
+                _insert(con, "api_key_events", pd.DataFrame([
+                    {"key_id": key_id, "name": name, "action": "revoke", "scopes": scopes, "actor": actor,
+                     "host": host, "happened_at": stamp} for key_id, name, scopes in found]), ())
+            return [{"key_id": key_id, "name": name, "scopes": scopes, "revoked_at": stamp}
+                    for key_id, name, scopes in found]
+
+        return self._write(body)
 
     def model_version(self, campaign: str, version: int) -> dict[str, Any]:
         frame = self.query("SELECT * FROM model_versions WHERE campaign = ? AND version = ?",

@@ -50,6 +50,7 @@ from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, now, to_json
 from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
+from evertrain.serving import auth
 from evertrain.serving.batching import Batcher, Job
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
@@ -219,6 +220,7 @@ class Draft:
 
     trace_id: str
     started: float
+    key_id: str | None = None  # the caller's API key (serving.auth = "keys")
     request: Any = None
     served: Served | None = None
     env: str | None = None
@@ -271,6 +273,9 @@ class Endpoint:
         self.store = Store(config.paths.store) if store is None else store
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
+        # serving.auth = "keys": the keys' cache over this store, read by the app's AuthMiddleware
+        self.keys = auth.KeyCache(self.store, self.serving.auth_cache_seconds) if self.serving.auth == "keys" \
+            else None
         self.writer: TraceWriter | None = None
         # a backend that schedules its own batches (vLLM's server) batches concurrent requests itself: let them reach
         # it together; on the in-house sampler the batcher runs one sampling call at a time (it uses every torch
@@ -648,7 +653,8 @@ class Endpoint:
             "error": None if draft.error is None else self.redactor.text(draft.error),
             "finish_reason": draft.finish_reason, "latency_ms": (time.perf_counter() - draft.started) * 1000,
             "prompt_tokens": draft.prompt_tokens, "cached_tokens": draft.cached_tokens,
-            "completion_tokens": draft.completion_tokens, "cost_usd": draft.cost_usd, "created_at": now()})
+            "completion_tokens": draft.completion_tokens, "cost_usd": draft.cost_usd, "created_at": now(),
+            "key_id": draft.key_id})
 
 
 def _metric_key(key: str) -> str:
@@ -764,6 +770,8 @@ def create_app(endpoint: Endpoint) -> Any:
         await asyncio.get_running_loop().run_in_executor(None, endpoint.stop)
 
     app = FastAPI(title=f"evertrain endpoint: {endpoint.config.name}", lifespan=lifespan)
+    if endpoint.keys is not None:  # serving.auth = "keys": every route but /health needs a key with its scope
+        app.add_middleware(auth.AuthMiddleware, keys=endpoint.keys)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -771,12 +779,15 @@ def create_app(endpoint: Endpoint) -> Any:
         return JSONResponse(ApiError(error.status_code, str(error.detail), code=code).body(), error.status_code)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(request: Request) -> dict[str, Any]:
         served = endpoint.champion.current
+        key = auth.caller(request.state)
+        # open to anyone; the watcher's error (it can name files) only without keys or to an admin key
+        private = endpoint.keys is None or (key is not None and "admin" in key.scopes)
         return {"status": "ok" if served else "loading", "model": served and served.name,
                 "version": served and served.version, "requests": endpoint.requests,
                 "trace_backlog": endpoint.writer.backlog() if endpoint.writer else 0,
-                "watcher_error": endpoint.champion.last_error}
+                "watcher_error": endpoint.champion.last_error if private else None}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -788,8 +799,9 @@ def create_app(endpoint: Endpoint) -> Any:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        key = auth.caller(request.state)
         draft = Draft(trace_id=f"chatcmpl-{uuid.uuid4().hex}", started=time.perf_counter(),
-                      served=endpoint.champion.current)  # the one model this request will see
+                      key_id=key and key.key_id, served=endpoint.champion.current)  # the one model it will see
         endpoint.requests += 1
         headers = {TRACE_HEADER: draft.trace_id}
         try:
@@ -895,6 +907,7 @@ class EndpointServer:
                  store: Store | None = None) -> None:
         import uvicorn
 
+        auth.check_listen(config.serving.auth, host or config.serving.host)
         self.endpoint = Endpoint(config, store)
         self.app = create_app(self.endpoint)
         self.server = uvicorn.Server(uvicorn.Config(
@@ -932,11 +945,13 @@ def serve(config: CampaignConfig, host: str | None = None, port: int | None = No
     """Serve ``config``'s champion until interrupted (``evertrain endpoint``)."""
     import uvicorn
 
+    host = host or config.serving.host
+    auth.check_listen(config.serving.auth, host)
     endpoint = Endpoint(config)
     endpoint.start()
     served = endpoint.champion.current
-    host = host or config.serving.host
     port = config.serving.port if port is None else port
     print(f"evertrain endpoint: serving {served.name if served else '?'} at http://{host}:{port}/v1 "
-          f"(traces: {'on' if endpoint.writer else 'off'}); Ctrl-C stops it", flush=True)
+          f"(traces: {'on' if endpoint.writer else 'off'}; API keys: "
+          f"{'required' if endpoint.keys else 'off'}); Ctrl-C stops it", flush=True)
     uvicorn.run(create_app(endpoint), host=host, port=port, log_level="warning", access_log=False)

@@ -25,7 +25,7 @@ log = logging.getLogger("evertrain.serving")
 
 TRACE_COLUMNS = ("trace_id", "campaign", "model_version", "model", "env", "problem_id", "problem", "request",
                  "response", "tool_calls", "tools", "status", "http_status", "error", "finish_reason", "latency_ms",
-                 "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd", "created_at")
+                 "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd", "created_at", "key_id")
 FEEDBACK_COLUMNS = ("trace_id", "campaign", "source", "passed", "reward", "detail", "created_at")
 
 
