@@ -93,6 +93,7 @@ def main() -> None:
     from evertrain.config import load_config
     from evertrain.models.tiny import build_tiny_model
     from evertrain.serving.app import EndpointServer
+    from evertrain.serving.auth import create_key
 
     root = Path(tempfile.mkdtemp(prefix="evertrain-endpoint-bench-"))
     build_tiny_model(root / "models" / "tiny-llama")
@@ -116,7 +117,9 @@ def main() -> None:
         endpoint = server.endpoint
         writer = endpoint.writer
         assert writer is not None
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        # the endpoint requires a key (serving.auth = "keys"): one made in the benchmark's own store
+        key, _row = create_key(endpoint.store, "benchmark", "infer", actor="benchmarks/endpoint.py")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
         drive(client, 50, args.clients, args.max_tokens)  # warm-up
         rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for _ in range(args.rounds):

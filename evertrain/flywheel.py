@@ -104,6 +104,17 @@ def endpoint_server(config: CampaignConfig) -> Any:
     return server.start()
 
 
+def demo_key(store: Any) -> str:
+    """The API key the demo's clients send: $EVERTRAIN_API_KEY when set, else a new one (scope infer) made in the
+    demo's own store, as `evertrain keys create` would (the endpoint requires keys: serving.auth = "keys")."""
+    from evertrain.serving.auth import ENV_VAR, create_key
+
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR]
+    secret, _row = create_key(store, f"flywheel-demo-{time.strftime('%Y%m%d-%H%M%S')}", "infer", actor="flywheel")
+    return secret
+
+
 # --- the client simulator ---------------------------------------------------------------------------------
 
 @dataclass
@@ -121,10 +132,16 @@ class Episode:
 class Traffic:
     """Client threads sending calculator episodes to the endpoint, with the deployment's current tool."""
 
-    def __init__(self, url: str, campaign: str, clients: int, max_tokens: int, pool_size: int = 400) -> None:
+    def __init__(self, url: str, campaign: str, clients: int, max_tokens: int, pool_size: int = 400,
+                 api_key: str | None = None) -> None:
         from evertrain.envs import registry
+        from evertrain.serving.auth import ENV_VAR
 
         self.url, self.campaign, self.max_tokens = url, campaign, max_tokens
+        # the endpoint's API key (scopes infer, and feedback for a client that sends it): given, else $EVERTRAIN_API_KEY
+        self.api_key = api_key or os.environ.get(ENV_VAR)
+        if not self.api_key:
+            raise ValueError(f"the traffic needs an API key of the endpoint: pass api_key or set {ENV_VAR}")
         self.envs = {1: registry.get("calculator"), 2: registry.get("calculator", tool_version=2)}
         # users' questions: drawn apart from the held-out pool (the trace source would drop those anyway)
         self.pool = self.envs[1].problems("train", pool_size, TRAFFIC_SEED)
@@ -156,7 +173,7 @@ class Traffic:
     def _client(self, k: int) -> None:
         import openai
 
-        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="flywheel-demo", max_retries=0, timeout=600)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=600)
         rng = random.Random(k)
         while not self._stop.is_set():
             problem = rng.choice(self.pool)
@@ -323,8 +340,9 @@ def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log
         served_config = with_tool(config, 1).model_copy(update={"torch_threads": args.serving_threads})
         server = endpoint_server(served_config)
         mark("endpoint serving", url=server.url, version=server.endpoint.champion.current.version)
-        traffic = Traffic(server.url, config.name, args.clients, config.max_new_tokens("calculator")).start()
         store = server.endpoint.store
+        traffic = Traffic(server.url, config.name, args.clients, config.max_new_tokens("calculator"),
+                          api_key=demo_key(store)).start()
 
         while traffic.count("before") < args.before:
             time.sleep(1)

@@ -99,6 +99,22 @@ def smoke_config_in(directory: Path, models_dir: Path, **overrides: object) -> C
     return config
 
 
+def api_key(store: Any, scopes: str = "infer,feedback,admin", name: str | None = None) -> str:
+    """A new API key in ``store``, made through the project's own API (what `evertrain keys create` does): its
+    secret, for the clients of a test's endpoint (serving.auth = "keys" is the default)."""
+    import uuid
+
+    from evertrain.serving.auth import create_key
+
+    secret, _row = create_key(store, name or f"test-{uuid.uuid4().hex[:8]}", scopes, actor="pytest")
+    return secret
+
+
+def bearer(secret: str) -> dict[str, str]:
+    """The header that carries an API key (for clients other than ``openai``, which takes ``api_key=``)."""
+    return {"Authorization": f"Bearer {secret}"}
+
+
 def check_one_tool_call(rollout: Any) -> tuple[list[dict], int, int]:
     """A stored rollout of one tool call then a final answer: its turns, reward, and a loss mask that
     trains on the policy's tokens and never on the tool message. Returns (turns, tool start, tool end)."""

@@ -23,7 +23,7 @@ from evertrain.envs.base import Problem
 from evertrain.envs.tools import PythonTool
 from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, TRACE_HEADER, EndpointServer
-from tests.conftest import smoke_config_in
+from tests.conftest import api_key, bearer, smoke_config_in
 
 QUESTION = "What is 48213 * 7719?"
 ANSWER = "372156147"
@@ -94,8 +94,9 @@ def live(tmp_path_factory, models_dir):
     rt.store.replace("model_versions", {"campaign": "live", "version": version}, [{
         "campaign": "live", "version": version, "iteration": 0, "kind": "full", "path": rt.stored_path(other),
         "parent_version": 1, "created_at": now()}])
+    key = api_key(rt.store)  # made before the server starts, as an operator would (`evertrain keys create`)
     with EndpointServer(config, port=0, store=rt.store) as server:  # the context's connection, shared
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
         yield config, rt, server, client
 
 
@@ -196,13 +197,14 @@ def test_bad_input_gets_an_openai_error_and_a_stored_trace(live):
     _config, _rt, server, client = live
     url = server.url
     seen = {}
+    auth = bearer(client.api_key)
     bad = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "live", "messages": [', timeout=60,
-                     headers={"content-type": "application/json"})
+                     headers={"content-type": "application/json", **auth})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     seen["invalid_json"] = bad.headers[TRACE_HEADER]
 
     huge = httpx.post(f"{url}/v1/chat/completions", json={"model": "live", "messages": [
-        {"role": "user", "content": "x" * 1_100_000}]}, timeout=60)
+        {"role": "user", "content": "x" * 1_100_000}]}, timeout=60, headers=auth)
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     seen["request_too_large"] = huge.headers[TRACE_HEADER]
     # the same body sent chunked (no Content-Length): abandoned once past the limit, not read whole first
@@ -214,10 +216,10 @@ def test_bad_input_gets_an_openai_error_and_a_stored_trace(live):
         yield b'"}]}'
 
     chunked = httpx.post(f"{url}/v1/chat/completions", content=chunks(), timeout=60,
-                         headers={"content-type": "application/json"})
+                         headers={"content-type": "application/json", **auth})
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
     assert "content-length" not in chunked.request.headers
-    huge_feedback = httpx.post(f"{url}/feedback", content=b"x" * 100_000, timeout=60)
+    huge_feedback = httpx.post(f"{url}/feedback", content=b"x" * 100_000, timeout=60, headers=auth)
     assert huge_feedback.status_code == 413
 
     with pytest.raises(openai.NotFoundError) as unknown:
@@ -263,9 +265,10 @@ def test_client_feedback_is_stored(live):
     _config, _rt, server, client = live
     answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     ok = httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": False, "detail": {
-        "note": "wrong, mail ops@example.com"}}, timeout=30)
+        "note": "wrong, mail ops@example.com"}}, timeout=30, headers=bearer(client.api_key))
     assert ok.status_code == 200
-    refused = httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": "yes"}, timeout=30)
+    refused = httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": "yes"}, timeout=30,
+                         headers=bearer(client.api_key))
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "passed"
     rows = _stored(server, "SELECT * FROM trace_feedback WHERE trace_id = ?", [answer.id])
     assert rows["source"].tolist() == ["client"] and not bool(rows["passed"].iloc[0])
@@ -398,7 +401,7 @@ def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, t
     import subprocess
     import sys
 
-    config, _rt, server, _client = live
+    config, _rt, server, client = live
     path = tmp_path / "live.json"
     data = config.model_dump(mode="json")
     data["serving"]["trace_flush_seconds"] = 3600  # nothing is written before the stop: the stop must write it
@@ -418,7 +421,9 @@ def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, t
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        # the same key: both endpoints read the one store's keys
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=client.api_key, max_retries=0,
+                              timeout=120)
         answer = other.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert answer.model == "live@v1"
     finally:
@@ -450,7 +455,7 @@ def test_a_slow_redaction_does_not_stall_other_requests(live):
     from evertrain.config import RedactionConfig
     from evertrain.serving.redact import Redactor
 
-    _config, _rt, server, _client = live
+    _config, _rt, server, client = live
     original = server.endpoint.redactor
     rule = RedactionConfig(patterns=[r"(x|xx)+y"], timeout_seconds=60)  # backtracks: seconds on 30 x's
     server.endpoint.redactor = Redactor(rule)
@@ -460,7 +465,8 @@ def test_a_slow_redaction_does_not_stall_other_requests(live):
         def send() -> None:
             began = time.perf_counter()
             answered["response"] = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-                "model": "no-such-model", "messages": [{"role": "user", "content": "x" * 30}]})
+                "model": "no-such-model", "messages": [{"role": "user", "content": "x" * 30}]},
+                headers=bearer(client.api_key))
             answered["seconds"] = time.perf_counter() - began
 
         sender = threading.Thread(target=send)
@@ -516,7 +522,8 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
         assert len(warned) == 1, [r.getMessage() for r in warned]
         failure = server.endpoint.champion.failed[version]
         assert failure["attempts"] < 6 and failure["delay"] > config.serving.poll_seconds  # backed off
-        assert httpx.get(f"{server.url}/health", timeout=30).json()["watcher_error"].startswith(f"loading v{version}")
+        health = httpx.get(f"{server.url}/health", timeout=30, headers=bearer(client.api_key)).json()  # an admin key
+        assert health["watcher_error"].startswith(f"loading v{version}")
 
         # the checkpoint repaired in place: its new content is tried at once, not after the back-off
         manifest.write_text(json.dumps({"kind": "base", "base_model": str(Path(rt.base_model).resolve())}))
@@ -539,11 +546,12 @@ def test_live_pass_rate_per_version_and_its_plot_reach_mlflow(live):
     _config, rt, server, client = live
     answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                             extra_body={"evertrain": {"env": "calculator"}})
-    assert httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": True}, timeout=30).status_code \
-        == 200
+    assert httpx.post(f"{server.url}/feedback", json={"trace_id": answer.id, "passed": True}, timeout=30,
+                      headers=bearer(client.api_key)).status_code == 200
     untasked = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # no task named: env '(none)', not a valid MLflow name as is
     assert httpx.post(f"{server.url}/feedback", json={"trace_id": untasked.id, "passed": False},
-                      timeout=30).status_code == 200  # no task named: env '(none)', not a valid MLflow name as is
+                      timeout=30, headers=bearer(client.api_key)).status_code == 200
     assert server.endpoint.writer.flush(60)
     logged = server.endpoint.log_live_metrics()
     assert "live_pass_rate/v1/no_env/no_tool" in logged

@@ -19,7 +19,7 @@ import torch
 from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, EndpointServer
 from evertrain.tasks.promote import rollback
-from tests.conftest import ROOT, smoke_config_in
+from tests.conftest import ROOT, api_key, smoke_config_in
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -59,7 +59,7 @@ def on_vllm(tmp_path_factory, models_dir):
         "campaign": "vl", "version": version, "iteration": 0, "kind": "lora", "path": rt.stored_path(lora),
         "parent_version": 1, "created_at": now()}])
     with EndpointServer(config, port=0, store=rt.store) as server:  # the context's connection, shared
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key(rt.store), max_retries=0, timeout=300)
         yield config, rt, server, client, version
 
 

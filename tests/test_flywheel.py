@@ -13,7 +13,7 @@ import pytest
 from evertrain.envs import registry
 from evertrain.flywheel import Traffic, endpoint_server, outcomes, phase_rate, with_tool
 from evertrain.runtime import Runtime
-from tests.conftest import smoke_config_in
+from tests.conftest import api_key, smoke_config_in
 from tests.test_endpoint import teach
 
 QUESTION = "What is 48213 * 7719?"
@@ -57,7 +57,8 @@ def test_with_tool_changes_only_the_tool_and_the_approval(models_dir, tmp_path):
 
 def test_a_v2_tool_call_is_served_run_at_the_client_and_graded(served):
     config, server = served
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key(server.endpoint.store, "infer"),
+                           max_retries=0, timeout=120)
     task = {"env": "calculator", "problem": {"question": QUESTION, "answer": ANSWER}}
     messages = [{"role": "user", "content": QUESTION}]
     first = client.chat.completions.create(model="wheel", messages=messages, tools=CALC, temperature=0,
@@ -89,7 +90,8 @@ def test_a_v2_tool_call_is_served_run_at_the_client_and_graded(served):
 
 def test_the_client_simulator_changes_tool_with_no_failed_request(served):
     config, server = served
-    traffic = Traffic(server.url, config.name, clients=2, max_tokens=80, pool_size=20).start()
+    traffic = Traffic(server.url, config.name, clients=2, max_tokens=80, pool_size=20,
+                      api_key=api_key(server.endpoint.store, "infer")).start()
     try:
         deadline = time.monotonic() + 300
         while traffic.count("before") < 3 and time.monotonic() < deadline:
