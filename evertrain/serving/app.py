@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` and ``GET /v1/models`` speak the OpenAI wire format, so the official
 ``openai`` client (and anything built on it) works unchanged; ``POST /feedback`` takes a client's verdict
-on an answer; ``GET /health`` says which version is served.
+on an answer; ``GET /health`` says which version is served. Every route but ``/health`` needs an API key with
+its scope (``serving.auth = "keys"``, the default: :mod:`evertrain.serving.auth`, ``evertrain keys``).
 
 The champion
     :class:`Champion` holds one reference to the served model (:class:`Served`: version, sampler,
