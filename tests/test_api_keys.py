@@ -113,9 +113,10 @@ def test_a_revoked_key_is_refused_within_the_cache_bound_and_both_steps_are_audi
             break
         assert response.status_code == 200
         # the bound: the cache's age limit, plus a request's own time on this loaded machine
-        assert time.monotonic() - done < CACHE_SECONDS + 10, "a revoked key still works"
+        assert time.monotonic() - done < CACHE_SECONDS + 3, "a revoked key still works"
         time.sleep(0.1)
     _error(response, 401, "invalid_api_key")
+    print(f"revoked key refused {time.monotonic() - done:.2f} s after `evertrain keys revoke` returned")
     assert keys_command(config.paths.store, "revoke", "to-revoke").returncode == 2  # nothing left to revoke
     events = server.endpoint.store.api_key_events()
     mine = events[events["name"] == "to-revoke"]
