@@ -98,6 +98,11 @@ class CurationConfig(_Strict):
         True, description="Drop a problem that a wrong or constant answer passes (zero, empty, a fixed string, the "
         "answer's numbers zeroed, its sign or a digit changed: evertrain.envs.quality.hackable), in environments "
         "graded on a final answer; counted as dropped_hackable.")
+    max_majority_share: float = Field(
+        0.25, gt=0, le=1, description="With quality_check, leave out of training an environment whose most common "
+        "expected answer is more than this share of its items (a yes/no kind, a generator answering 1 on most "
+        "items): a constant answer would earn that share of reward without solving anything "
+        "(evertrain.envs.quality.answer_majority); counted as dropped_guessable. 1: off.")
 
 
 class MixConfig(_Strict):
