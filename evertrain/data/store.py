@@ -185,8 +185,9 @@ def connect_lake(location: StoreLocation, read_only: bool = False,
     return con
 
 
-# what `evertrain sql` (Store.read_sql) may run: one SELECT (SHOW, DESCRIBE, SUMMARIZE, FROM ... and
-# PRAGMA show_tables parse as SELECTs); EXPLAIN is refused too, as EXPLAIN ANALYZE runs the statement it explains
+# what `evertrain sql` (Store.read_sql) may run: one SELECT (SHOW, DESCRIBE, SUMMARIZE and FROM ... parse as
+# SELECTs; PRAGMA show_tables does too, but json_serialize_sql cannot check it, so it is refused); EXPLAIN is
+# refused, as EXPLAIN ANALYZE runs the statement it explains
 READ_STATEMENTS = frozenset({duckdb.StatementType.SELECT})
 # functions a SELECT may call that write or reach past the store: DuckLake's maintenance (expire, cleanup and
 # orphan deletion remove files from the data folder), the SQLite/Postgres scanners (attach or query any
