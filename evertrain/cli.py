@@ -387,7 +387,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    """Read-only SQL on the store, also while a campaign writes it (DuckLake readers see the last commit)."""
+    """Read-only SQL on the store, also while a campaign writes it (DuckLake readers see the last commit).
+
+    Read-only for real: one SELECT at a time, on a connection that can read nothing but the store's own files
+    and change no setting (Store.read_sql); anything else is refused with exit status 2."""
     import duckdb
 
     from evertrain.config import PathsConfig
@@ -396,7 +399,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     uri = args.store or (_config(args).paths.store if args.config else PathsConfig().store)
     store = Store(uri, read_only=True)
     try:
-        frame = store.query(args.query)
+        frame = store.read_sql(args.query)
     except duckdb.Error as error:
         raise StoreError(f"query failed on {store.location.describe()}: {error}") from None
     finally:

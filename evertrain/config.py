@@ -484,6 +484,15 @@ class ServingConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Address the endpoint listens on ('0.0.0.0': every interface).")
     port: int = Field(8000, ge=0, le=65535, description="Port the endpoint listens on (0: any free port).")
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: ["localhost", "127.0.0.1", "::1"], description="Names the endpoint answers for "
+        "in the Host header, besides the host it is bound to and the address a request reached ('*': any). A "
+        "request naming another host gets a 421: a web page whose domain is re-pointed at this machine (DNS "
+        "rebinding) never reaches the model. Add the names clients use beyond loopback.")
+    cors_origins: list[str] = Field(
+        default_factory=list, description="Web origins (e.g. 'https://app.example.com'; '*': any) whose pages may "
+        "call the endpoint from a browser. Empty (the default): no CORS, and a request carrying any Origin header "
+        "gets a 403.")
     poll_seconds: float = Field(
         1.0, gt=0, le=60, description="How often the endpoint reads the champion alias from the registry; a "
         "promotion or rollback is served this long (plus the new weights' load time) after it happens.")

@@ -50,6 +50,7 @@ from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, now, to_json
 from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
+from evertrain.serving import guard
 from evertrain.serving.batching import Batcher, Job
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
@@ -764,6 +765,9 @@ def create_app(endpoint: Endpoint) -> Any:
         await asyncio.get_running_loop().run_in_executor(None, endpoint.stop)
 
     app = FastAPI(title=f"evertrain endpoint: {endpoint.config.name}", lifespan=lifespan)
+    trace_ids = guard.TraceIds(guard.stored_trace(endpoint.store))  # what /feedback may name
+    app.add_middleware(guard.Guard, allowed_hosts=guard.allowed_hosts(endpoint.serving),
+                       cors_origins=endpoint.serving.cors_origins, trace_ids=trace_ids)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -853,8 +857,11 @@ def create_app(endpoint: Endpoint) -> Any:
             if not isinstance(body.get("passed"), bool):
                 raise ApiError(400, "'passed' must be true or false", code="invalid_feedback", param="passed")
             reward = body.get("reward", 1.0 if body["passed"] else 0.0)
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                raise ApiError(400, "'reward' must be a number", code="invalid_feedback", param="reward")
+            if (refusal := guard.feedback_refusal(reward)) is not None:
+                raise ApiError(refusal[0], refusal[1], code=refusal[2], param=refusal[3])
+            if not await run_in_threadpool(trace_ids.known, body["trace_id"]):
+                raise ApiError(404, f"no trace {body['trace_id']!r}: feedback names the 'id' of a chat completion "
+                               "this endpoint answered", code="trace_not_found", param="trace_id")
         except ApiError as error:
             return JSONResponse(error.body(), error.status)
         if endpoint.writer is not None:
