@@ -120,7 +120,8 @@ def test_report_json_into_a_closed_pipe_ends_quietly(demo, tmp_path):
     """`evertrain report --json | head -0`: the reader is gone before the report is written; no traceback."""
     config, _ = demo
     process = subprocess.Popen(
-        [sys.executable, "-m", "evertrain.cli", "report", "--campaign", "demo", "--json", "--store", config.paths.store],
+        [sys.executable, "-m", "evertrain.cli", "report", "--campaign", "demo", "--json",
+         "--store", config.paths.store],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "EVERTRAIN_PROGRESS": "0", "PYTHONPATH": str(ROOT)})
     process.stdout.close()  # the only reader: every write to the pipe fails (EPIPE)
