@@ -78,15 +78,12 @@ def _open_for_reading(uri: str, campaign: str) -> Any:
 
 def _campaign_iterations(store: Any, campaign: str) -> dict[int, dict[str, str]]:
     """Every iteration of ``campaign`` in ``store`` with its stages' status; UsageError for an unknown campaign."""
-    frame = store.query("SELECT iteration, stage, status FROM stage_runs WHERE campaign = ?", [campaign])
+    frame = store.stage_statuses(campaign)
     known = {int(row.iteration): {} for row in frame.itertuples(index=False)}
     for row in frame.itertuples(index=False):
         known[int(row.iteration)][row.stage] = row.status
-    if not known and not store.scalar(
-            "SELECT count(*) FROM (SELECT campaign FROM campaigns WHERE campaign = ? UNION ALL "
-            "SELECT campaign FROM model_versions WHERE campaign = ?)", [campaign, campaign]):
-        names = store.query("SELECT DISTINCT campaign FROM stage_runs UNION SELECT campaign FROM campaigns "
-                            "UNION SELECT campaign FROM model_versions ORDER BY 1")["campaign"].tolist()
+    if not known and not store.campaign_known(campaign):
+        names = store.campaign_names()
         raise UsageError(f"campaign {campaign!r} not found in store {store.location.describe()} (campaigns there: "
                          f"{', '.join(map(repr, names)) or 'none'})")
     return known

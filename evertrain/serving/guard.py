@@ -96,7 +96,7 @@ def allowed_hosts(serving: ServingConfig) -> list[str]:
 def stored_trace(store: Store) -> Callable[[str], bool]:
     """Whether the store holds a trace with this id (another endpoint's, or one answered before a restart)."""
     def lookup(trace_id: str) -> bool:
-        return bool(store.scalar("SELECT count(*) FROM traces WHERE trace_id = ?", [trace_id]))
+        return store.trace_exists(trace_id)
 
     return lookup
 
