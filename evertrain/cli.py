@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,20 +20,24 @@ def _environment() -> None:
     quiet_libraries()
 
 
-def _config(args: argparse.Namespace) -> Any:
-    """The campaign config: --config if given, else the one stored for --campaign, else the defaults."""
-    from evertrain.config import apply_setting, load_config, parse_config
+def _config(args: argparse.Namespace, stored: bool = False) -> Any:
+    """The campaign config: --config if given, else the one stored for --campaign, else the defaults (with
+    ``stored``, a campaign without a stored config is refused instead: the command needs a campaign that ran)."""
+    from evertrain.config import PathsConfig, apply_setting, load_config, parse_config
 
     overrides = {"name": getattr(args, "campaign", None)}
     settings = getattr(args, "set", None) or []
     if getattr(args, "config", None):
         return load_config(args.config, settings, **overrides)
     if overrides["name"]:
-        stored = _stored_config(overrides["name"], getattr(args, "store", None))
-        if stored is not None:
+        found = _stored_config(overrides["name"], getattr(args, "store", None))
+        if found is not None:
             for setting in settings:
-                apply_setting(stored, setting)
-            return parse_config(stored, f"(stored for campaign {overrides['name']!r})")
+                apply_setting(found, setting)
+            return parse_config(found, f"(stored for campaign {overrides['name']!r})")
+        if stored:
+            require_campaign(getattr(args, "store", None) or PathsConfig().store, overrides["name"])
+            raise UsageError(f"campaign {overrides['name']!r} has no stored config: pass its --config")
     return load_config(None, settings, **overrides)
 
 
@@ -52,6 +56,71 @@ def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | No
     finally:
         store.close()
     return None if raw is None else json.loads(raw)
+
+
+class UsageError(Exception):
+    """Bad input found before anything ran or was written: ``evertrain: error: ...`` and exit status 2."""
+
+
+# the stages whose rows a stage reads: an iteration's stage is rerun only after these completed (sft is optional)
+STAGE_ORDER = ("curate", "rollout", "score", "sft", "update", "evaluate", "promote")
+STAGE_NEEDS = {stage: tuple(s for s in STAGE_ORDER[:i] if s != "sft") for i, stage in enumerate(STAGE_ORDER)}
+
+
+def _open_for_reading(uri: str, campaign: str) -> Any:
+    """The store at ``uri``, read-only; a store that does not exist yet is bad input (nothing is created)."""
+    from evertrain.data.store import Store, StoreLocation
+
+    if not StoreLocation.parse(uri).exists():
+        raise UsageError(f"campaign {campaign!r} not found: store {uri} does not exist yet (run a campaign first)")
+    return Store(uri, read_only=True)
+
+
+def _campaign_iterations(store: Any, campaign: str) -> dict[int, dict[str, str]]:
+    """Every iteration of ``campaign`` in ``store`` with its stages' status; UsageError for an unknown campaign."""
+    frame = store.stage_statuses(campaign)
+    known = {int(row.iteration): {} for row in frame.itertuples(index=False)}
+    for row in frame.itertuples(index=False):
+        known[int(row.iteration)][row.stage] = row.status
+    if not known and not store.campaign_known(campaign):
+        names = store.campaign_names()
+        raise UsageError(f"campaign {campaign!r} not found in store {store.location.describe()} (campaigns there: "
+                         f"{', '.join(map(repr, names)) or 'none'})")
+    return known
+
+
+def _iteration_stages(store: Any, campaign: str, iteration: int) -> dict[str, str]:
+    """The stages of ``iteration`` of ``campaign`` with their status; UsageError when it has none."""
+    known = _campaign_iterations(store, campaign)
+    if iteration not in known:
+        have = f"iterations {min(known)}-{max(known)}" if known else "no iterations yet"
+        raise UsageError(f"campaign {campaign!r} has no iteration {iteration} ({have})")
+    return known[iteration]
+
+
+def require_campaign(uri: str, campaign: str) -> None:
+    """Refuse (UsageError) a campaign the store at ``uri`` has never seen, before anything opens it for writing."""
+    store = _open_for_reading(uri, campaign)
+    try:
+        _campaign_iterations(store, campaign)
+    finally:
+        store.close()
+
+
+def require_stage_inputs(uri: str, campaign: str, iteration: int, stage: str) -> None:
+    """Refuse (UsageError) rerunning ``stage`` of an iteration that does not exist or lacks the stages it reads."""
+    if stage not in STAGE_NEEDS:
+        raise UsageError(f"unknown stage {stage!r}; stages: {', '.join(STAGE_ORDER)}")
+    store = _open_for_reading(uri, campaign)
+    try:
+        status = _iteration_stages(store, campaign, iteration)
+    finally:
+        store.close()
+    missing = [s for s in STAGE_NEEDS[stage] if status.get(s) != "completed"]
+    if missing:
+        raise UsageError(f"{stage} of iteration {iteration} of campaign {campaign!r} needs {', '.join(missing)} "
+                         f"completed first (stages there: "
+                         f"{', '.join(f'{k} {v}' for k, v in status.items())}); rerun those first")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -89,7 +158,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = _config(args, stored=True)
+    require_stage_inputs(config.paths.store, config.name, args.iteration, args.stage)
     from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 
@@ -329,10 +399,15 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
     from evertrain.data.lineage import champion_vs_base, iteration_report
-    from evertrain.data.store import Store
     from evertrain.report import format_versus, render_table, share_line
 
-    store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
+    store = _open_for_reading(args.store or (_config(args).paths.store if args.config else PathsConfig().store),
+                              args.campaign)
+    try:
+        _campaign_iterations(store, args.campaign)
+    except UsageError:
+        store.close()
+        raise
     rows = iteration_report(store, args.campaign)
     summary = champion_vs_base(store, args.campaign)
     from evertrain.data.lineage import last_refusal
@@ -355,8 +430,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         gate_power(store, args.campaign)
     store.close()
     if not rows:
-        print(f"campaign {args.campaign!r} has no iterations in {store.path}", file=sys.stderr)
-        return 1
+        raise UsageError(f"campaign {args.campaign!r} has no iterations in {store.location.describe()}")
     if args.html:
         from evertrain.plots import html_report
 
@@ -387,7 +461,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    """Read-only SQL on the store, also while a campaign writes it (DuckLake readers see the last commit)."""
+    """Read-only SQL on the store, also while a campaign writes it (DuckLake readers see the last commit).
+
+    Read-only for real: one SELECT at a time, on a connection that can read nothing but the store's own files
+    and change no setting (Store.read_sql); anything else is refused with exit status 2."""
     import duckdb
 
     from evertrain.config import PathsConfig
@@ -396,7 +473,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     uri = args.store or (_config(args).paths.store if args.config else PathsConfig().store)
     store = Store(uri, read_only=True)
     try:
-        frame = store.query(args.query)
+        frame = store.read_sql(args.query)
     except duckdb.Error as error:
         raise StoreError(f"query failed on {store.location.describe()}: {error}") from None
     finally:
@@ -561,7 +638,8 @@ def _interrupted(error: BaseException) -> bool:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = _config(args, stored=True)
+    require_campaign(config.paths.store, config.name)
     from evertrain.runtime import Runtime
     from evertrain.tasks.promote import rollback
 
@@ -586,7 +664,8 @@ def prefect_ui_env(host: str, port: int) -> dict[str, str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = _config(args, stored=True)
+    require_campaign(config.paths.store, config.name)
     from evertrain.export import export
     from evertrain.runtime import Runtime
 
@@ -604,18 +683,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from evertrain.config import PathsConfig
     from evertrain.data.lineage import sample_rollouts
-    from evertrain.data.store import Store
     from evertrain.report import render_rollouts
 
-    store = Store(args.store or (_config(args).paths.store if args.config else PathsConfig().store), read_only=True)
+    store = _open_for_reading(args.store or (_config(args).paths.store if args.config else PathsConfig().store),
+                              args.campaign)
     try:
+        _iteration_stages(store, args.campaign, args.iteration)
         rows = sample_rollouts(store, args.campaign, args.iteration, env=args.env, per_env=args.limit)
     finally:
         store.close()
     if not rows:
         where = f" of environment {args.env!r}" if args.env else ""
-        print(f"campaign {args.campaign!r} has no rollouts{where} in iteration {args.iteration}", file=sys.stderr)
-        return 1
+        raise UsageError(f"campaign {args.campaign!r} has no rollouts{where} in iteration {args.iteration}")
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
     else:
@@ -665,8 +744,16 @@ def _schedule_arguments(parser: argparse.ArgumentParser, interval_default: str =
     parser.add_argument("--iterations-per-run", type=int, default=1, help="iterations per scheduled run (default 1)")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors start ``evertrain: error:`` like every other refusal (then the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("evertrain").strip()
+        self.exit(2, f"evertrain: error: {command + ': ' if command else ''}{message}\n{self.format_usage()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="evertrain", description=__doc__ and
+    parser = Parser(prog="evertrain", description=__doc__ and
                                      "Continuous RL post-training of language-model agents.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -854,7 +941,8 @@ def cmd_reject(args: argparse.Namespace) -> int:
 
 
 def cmd_endpoint(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = _config(args, stored=True)
+    require_campaign(config.paths.store, config.name)
     from evertrain.serving.app import serve
 
     serve(config, host=args.host, port=args.port)
@@ -874,6 +962,20 @@ def _input_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``evertrain`` command. A reader that closes stdout early (``| head``) ends it quietly, status 141."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
+        return status
+    except BrokenPipeError:
+        # Python's recipe: stdout goes to /dev/null so the flush at exit does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.func in (cmd_sql, cmd_keys):  # quick, from another shell: no torch, transformers or Prefect imports
         from evertrain.config import ConfigError
@@ -888,6 +990,11 @@ def main(argv: list[str] | None = None) -> int:
     _environment()
     try:
         return int(args.func(args) or 0)
+    except UsageError as error:
+        print(f"evertrain: error: {error}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise
     except Exception as error:
         if _interrupted(error):
             return _report_interrupt()

@@ -98,6 +98,11 @@ class CurationConfig(_Strict):
         True, description="Drop a problem that a wrong or constant answer passes (zero, empty, a fixed string, the "
         "answer's numbers zeroed, its sign or a digit changed: evertrain.envs.quality.hackable), in environments "
         "graded on a final answer; counted as dropped_hackable.")
+    max_majority_share: float = Field(
+        0.25, gt=0, le=1, description="With quality_check, leave out of training an environment whose most common "
+        "expected answer is more than this share of its items (a yes/no kind, a generator answering 1 on most "
+        "items): a constant answer would earn that share of reward without solving anything "
+        "(evertrain.envs.quality.answer_majority); counted as dropped_guessable. 1: off.")
 
 
 class MixConfig(_Strict):
@@ -487,6 +492,15 @@ class ServingConfig(_Strict):
         5.0, ge=0, le=300, description="How long the endpoint trusts a key it found in the store before reading it "
         "again: a revoked key stops working within this bound. A key not in the cache is read at once (a new key "
         "works on its first request).")
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: ["localhost", "127.0.0.1", "::1"], description="Names the endpoint answers for "
+        "in the Host header, besides the host it is bound to and the address a request reached ('*': any). A "
+        "request naming another host gets a 421: a web page whose domain is re-pointed at this machine (DNS "
+        "rebinding) never reaches the model. Add the names clients use beyond loopback.")
+    cors_origins: list[str] = Field(
+        default_factory=list, description="Web origins (e.g. 'https://app.example.com'; '*': any) whose pages may "
+        "call the endpoint from a browser. Empty (the default): no CORS, and a request carrying any Origin header "
+        "gets a 403.")
     poll_seconds: float = Field(
         1.0, gt=0, le=60, description="How often the endpoint reads the champion alias from the registry; a "
         "promotion or rollback is served this long (plus the new weights' load time) after it happens.")

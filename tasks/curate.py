@@ -9,10 +9,13 @@ level for the iteration (``curriculum.enabled``; :mod:`evertrain.curriculum`), t
 3. ``contaminated``: being any environment's held-out problem (the gate's, a sealed split's or the broad
    sealed set's, :mod:`evertrain.curriculum`), or sharing a word n-gram with the held-out problem of a
    data-set environment;
-4. ``hackable``: a wrong or constant answer passes it (zero, empty, a fixed string, the answer's numbers
+4. ``guessable``: its environment's most common expected answer is more than ``curation.max_majority_share``
+   of its items (:func:`evertrain.envs.quality.answer_majority`, a yes/no kind): a constant answer would be paid
+   that often, so the whole environment leaves training (and a warning says why);
+5. ``hackable``: a wrong or constant answer passes it (zero, empty, a fixed string, the answer's numbers
    zeroed, its sign or a digit changed; :func:`evertrain.envs.quality.hackable`), in environments graded on a
    final answer (``curation.quality_check``): the policy would learn that answer, not the problem;
-5. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
+6. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
    attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
    shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
 
@@ -24,6 +27,7 @@ look alike, and are kept apart from their held-out set by their exact ids.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
@@ -36,11 +40,12 @@ from evertrain.curriculum import gate_problems
 from evertrain.data.store import now, to_json
 from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem
-from evertrain.envs.quality import NgramIndex, hackable
+from evertrain.envs.quality import Majority, NgramIndex, answer_majority, hackable
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import allocate, run_stage
 
-RULES = ("duplicate", "near_duplicate", "contaminated", "hackable", "too_easy", "too_hard")
+RULES = ("duplicate", "near_duplicate", "contaminated", "guessable", "hackable", "too_easy", "too_hard")
+_log = logging.getLogger(__name__)
 
 
 @cache
@@ -67,6 +72,27 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
     return frozenset(ids), index
 
 
+_majorities: dict[tuple[str, str], Majority | None] = {}
+
+
+def _majority(config: CampaignConfig, env: Environment) -> Majority | None:
+    # once per process and config: 200 of the environment's items drawn (its generator is seeded: a pure function)
+    key = (config.model_dump_json(), env.name)
+    if key not in _majorities:
+        try:
+            majority = answer_majority(env, seed=config.seed)
+        except Exception as error:  # a generator that cannot draw 200 items: the per-item checks still run
+            _log.warning("%s: its most common answer could not be measured (%s: %s)", env.name,
+                         type(error).__name__, error)
+            majority = None
+        if majority is not None and majority.share > config.curation.max_majority_share:
+            _log.warning("%s leaves training: %r is the expected answer of %.0f%% of %d of its items, so a "
+                         "constant answer would be paid that often (curation.max_majority_share = %s)", env.name,
+                         majority.answer, 100 * majority.share, majority.items, config.curation.max_majority_share)
+        _majorities[key] = majority
+    return _majorities[key]
+
+
 def attempt_history(rt: Runtime, iteration: int, ids: list[str], k: int) -> dict[str, tuple[int, int]]:
     """(attempts, passes) over each problem's last ``k`` scored attempts before ``iteration``."""
     if not ids or k <= 0:
@@ -89,7 +115,10 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
 
     broad, broad_index = broad_guard(rt)  # the broad sealed set (evertrain.curriculum): held out like the gate's
     # a problem a wrong or constant answer passes teaches the policy that answer (evertrain.envs.quality)
-    hacked = hackable(env, candidates) if rules.quality_check else set()
+    # an environment whose answers are a few classes pays a constant answer on each of its items alike
+    majority = _majority(rt.config, env) if rules.quality_check and candidates else None
+    guessable = majority is not None and majority.share > rules.max_majority_share
+    hacked = hackable(env, candidates) if rules.quality_check and not guessable else set()
     kept: list[Problem] = []
     for problem in candidates:
         if len(kept) == want:
@@ -103,6 +132,8 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
         elif problem.id in held_ids or problem.id in broad or (natural and (
                 held_index.overlaps(problem.prompt) or broad_index.overlaps(problem.prompt))):
             rule = "contaminated"
+        elif guessable:
+            rule = "guessable"
         elif problem.id in hacked:
             rule = "hackable"
         elif rules.history_k and attempts >= rules.history_k and passes == attempts:

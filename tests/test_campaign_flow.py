@@ -173,7 +173,8 @@ def test_each_iteration_logs_its_trajectories(finished_campaign, capsys):
         stored = rt.store.query("SELECT reason FROM rollouts WHERE iteration = 0 AND problem_id = ? AND sample = ?",
                                 [row["problem_id"], row["sample"]])
         assert row["problem_id"] in printed and stored["reason"].iloc[0] in printed
-    assert main(["show", "--campaign", config.name, "--iteration", "7", "--store", config.paths.store]) == 1
+    # no iteration 7: bad input, refused with status 2 (tests/test_cli_refusals.py)
+    assert main(["show", "--campaign", config.name, "--iteration", "7", "--store", config.paths.store]) == 2
 
 
 def test_html_report_draws_in_a_browser(finished_campaign, tmp_path):

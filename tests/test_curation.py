@@ -150,3 +150,33 @@ def test_curate_drops_problems_a_constant_answer_passes(tmp_path, models_dir, ch
         assert metrics["dropped_hackable"] > 0 and not zeros and answers, (metrics, answers)
     else:
         assert metrics["dropped_hackable"] == 0 and zeros, (metrics, answers)
+
+
+@pytest.mark.parametrize("limit", [0.25, 1.0])
+def test_curate_leaves_out_an_environment_a_constant_answer_mostly_passes(tmp_path, models_dir, limit):
+    """reasoning-gym's circuit_logic answers 1 on every item: with the quality check at the default
+    max_majority_share its candidates are dropped as guessable (the arithmetic beside it is kept); at 1 (off) they
+    stay."""
+    config = smoke_config_in(tmp_path, models_dir, name=f"guessable{int(limit * 100)}", problems_per_iteration=8,
+                             environments=[{"name": "arithmetic", "weight": 1},
+                                           {"name": "rg:circuit_logic", "weight": 1, "eval_problems": 2}],
+                             eval={"problems_per_env": 2}, curation={"max_majority_share": limit})
+    with Runtime.open(config) as rt:
+        metrics = run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+        envs = rt.store.query("SELECT env, count(*) AS n FROM problems GROUP BY env").set_index("env")["n"]
+    assert envs.get("arithmetic", 0) > 0, (metrics, envs)
+    if limit < 1:
+        assert metrics["dropped_guessable"] > 0 and "rg:circuit_logic" not in envs, (metrics, envs)
+    else:
+        assert metrics["dropped_guessable"] == 0 and envs.get("rg:circuit_logic", 0) > 0, (metrics, envs)
+
+
+def test_answer_majority_reads_the_share_of_the_most_common_expected_answer():
+    from evertrain.envs import registry
+    from evertrain.envs.quality import answer_majority
+
+    circuit = answer_majority(registry.get("rg:circuit_logic"))
+    assert circuit is not None and circuit.answer == "1" and circuit.share == 1.0 and circuit.items >= 50
+    spread = answer_majority(registry.get("arithmetic"))
+    assert spread is not None and spread.share < 0.25 and spread.classes > 20, spread
+    assert answer_majority(registry.get("mbpp")) is None  # graded by running tests, not by a final answer

@@ -569,3 +569,32 @@ class Queries:
         return self.query(
             """SELECT iteration, count(*) FILTER (WHERE status = 'completed' AND stage IN (SELECT unnest(?))) AS done
                FROM stage_runs WHERE campaign = ? GROUP BY iteration ORDER BY iteration""", [stages, campaign])
+
+    # --- what the CLI checks before it runs anything, and the endpoint before it takes feedback ------------
+
+    def stage_statuses(self, campaign: str) -> pd.DataFrame:
+        """Every stage run of ``campaign``: iteration, stage, status."""
+        return self.query("SELECT iteration, stage, status FROM stage_runs WHERE campaign = ?", [campaign])
+
+    def campaign_known(self, campaign: str) -> bool:
+        """Whether ``campaign`` has a stored config or a model version (a campaign before its first stage run)."""
+        return bool(self.scalar(
+            "SELECT count(*) FROM (SELECT campaign FROM campaigns WHERE campaign = ? UNION ALL "
+            "SELECT campaign FROM model_versions WHERE campaign = ?)", [campaign, campaign]))
+
+    def campaign_names(self) -> list[str]:
+        """Every campaign the store knows of, sorted."""
+        return self.query("SELECT DISTINCT campaign FROM stage_runs UNION SELECT campaign FROM campaigns "
+                          "UNION SELECT campaign FROM model_versions ORDER BY 1")["campaign"].tolist()
+
+    def trace_exists(self, trace_id: str) -> bool:
+        """Whether a trace with this id is stored."""
+        return bool(self.scalar("SELECT count(*) FROM traces WHERE trace_id = ?", [trace_id]))
+
+    def trace_owner(self, trace_id: str) -> tuple[bool, str | None]:
+        """Whether a trace with this id is stored, and the API key id it was answered for (None: no key)."""
+        frame = self.query("SELECT key_id FROM traces WHERE trace_id = ? LIMIT 1", [trace_id])
+        if frame.empty:
+            return False, None
+        value = frame["key_id"].iloc[0]
+        return True, (None if value is None or value != value else str(value))

@@ -185,6 +185,71 @@ def connect_lake(location: StoreLocation, read_only: bool = False,
     return con
 
 
+# what `evertrain sql` (Store.read_sql) may run: one SELECT (SHOW, DESCRIBE, SUMMARIZE and FROM ... parse as
+# SELECTs; PRAGMA show_tables does too, but json_serialize_sql cannot check it, so it is refused); EXPLAIN is
+# refused, as EXPLAIN ANALYZE runs the statement it explains
+READ_STATEMENTS = frozenset({duckdb.StatementType.SELECT})
+# functions a SELECT may call that write or reach past the store: DuckLake's maintenance (expire, cleanup and
+# orphan deletion remove files from the data folder), the SQLite/Postgres scanners (attach or query any
+# database file, run SQL on the catalog) and query()/query_table(), which run SQL given as a string
+REFUSED_FUNCTION_PREFIXES = ("ducklake_", "sqlite_", "postgres_")
+REFUSED_FUNCTIONS = frozenset({"query", "query_table"})
+# DuckLake's functions that only read the catalog: allowed despite their prefix
+READ_FUNCTIONS = frozenset({"ducklake_snapshots", "ducklake_table_info", "ducklake_list_files",
+                            "ducklake_table_changes", "ducklake_table_insertions", "ducklake_table_deletions",
+                            "ducklake_current_snapshot", "ducklake_last_committed_snapshot", "ducklake_options"})
+
+
+def _function_names(tree: Any) -> Iterator[str]:
+    """Every function name in a statement parsed by ``json_serialize_sql`` (scalar and table functions)."""
+    if isinstance(tree, dict):
+        name = tree.get("function_name")
+        if isinstance(name, str):
+            yield name.lower()
+        for value in tree.values():
+            yield from _function_names(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _function_names(value)
+
+
+def refuse_unless_read(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise :class:`StoreError` unless ``sql`` is one SELECT calling no function that writes or reaches
+    past the store (see ``REFUSED_FUNCTIONS``); what this lets through also runs under :func:`lock_down`."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as error:
+        raise StoreError(f"query does not parse: {error}") from None
+    if len(statements) != 1:
+        raise StoreError(f"evertrain sql runs one statement at a time, this has {len(statements)}: it is "
+                         "read-only, so a second statement could only be a refused one or a lost result")
+    kind = statements[0].type
+    if kind not in READ_STATEMENTS:
+        raise StoreError(f"evertrain sql is read-only: {kind.name} statements are refused (only SELECT, "
+                         "SHOW, DESCRIBE and SUMMARIZE run; the store is written only by evertrain's own commands)")
+    parsed = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    if parsed.get("error"):
+        raise StoreError(f"evertrain sql is read-only: this statement cannot be checked, so it is refused "
+                         f"({parsed.get('error_message', 'unknown')})")
+    for name in _function_names(parsed["statements"]):
+        if name in REFUSED_FUNCTIONS or (name.startswith(REFUSED_FUNCTION_PREFIXES) and name not in READ_FUNCTIONS):
+            raise StoreError(f"evertrain sql is read-only: function {name}() is refused (it may write, run "
+                             "other SQL, or read outside the store)")
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, location: StoreLocation) -> None:
+    """Confine a connection that has the store attached to reading the store's own files: no other file,
+    no extension, no setting changed afterwards (``enable_external_access`` off, ``lock_configuration`` on).
+
+    DuckLake reads its Parquet files through DuckDB's file system, so the data folder stays allowed
+    (``allowed_directories``); the SQLite catalog and a DuckDB file are open already.
+    """
+    if location.kind == "ducklake":
+        con.execute("SET allowed_directories = ?", [[location.data_path]])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
 def _follow_moved_data(catalog: Path, data_path: str) -> None:
     """Point a SQLite catalog at its data folder's new place after the store was moved or copied.
 
@@ -242,6 +307,7 @@ class Store(Queries):
         self._lock = threading.RLock()
         self._claims: dict[str, Any] = {}
         self._writes = 0
+        self._locked_down = False
         self.migrated: list[int] = []  # the schema versions this open applied (evertrain.data.schema)
         if self.lake:
             self._open_lake()
@@ -310,6 +376,23 @@ class Store(Queries):
         """Run SQL and return the whole result as a frame (results must be fetched before the next call)."""
         with self._lock:
             return self._retry_read(lambda: self.con.execute(sql, params or []).df())
+
+    def read_sql(self, sql: str) -> pd.DataFrame:
+        """Run a user's SQL read-only for real (``evertrain sql``): the connection is locked down to the store's
+        own files first (:func:`lock_down`, for good: this store is for reading after that), and anything but
+        one plain SELECT is refused (:func:`refuse_unless_read`) with a :class:`StoreError`."""
+        if not self.read_only:
+            raise StoreError("read_sql needs a store opened with read_only=True")
+        with self._lock:
+            if not self._locked_down:
+                lock_down(self.con, self.location)
+                self._locked_down = True
+            refuse_unless_read(self.con, sql)
+        try:
+            return self.query(sql)
+        except duckdb.PermissionException as error:  # a file outside the store: said in one line
+            reason = str(error).splitlines()[0].removeprefix("Permission Error: ")
+            raise StoreError(f"evertrain sql reads only the store's own files: {reason}") from None
 
     def records(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
         """The rows as dicts; empty when the query fails on a store that predates a table it reads (a report's

@@ -463,8 +463,8 @@ def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE
 
 
 # the probes curation runs on every candidate: each is a wrong answer, or a constant that needs no solving, on
-# its own (most_common is left out: one item sharing the sample's most common answer is no pattern, and whole
-# kinds the check flags are the report's business, benchmarks/results/env_quality.json)
+# its own (most_common is left out: one item sharing the sample's most common answer is no pattern; a whole kind
+# whose answers are a few classes is answer_majority's business, measured over a large sample)
 CURATION_PROBES = frozenset({"zero", "empty", "fixed_string", "all_zero", "sign_changed", "digit_changed"})
 
 
@@ -478,6 +478,43 @@ def hackable(env: Environment, problems: list[Problem]) -> set[str]:
     if env.write_answer("0") is None or env.kind in ("code", "terminal", "openenv", "verifiers"):
         return set()
     return set(probe(env, problems, workers=1, answers=CURATION_PROBES).flagged_items())
+
+
+# the training items answer_majority counts, and the fewest with an answer it needs to say anything
+MAJORITY_SAMPLE = 200
+MAJORITY_MIN_ITEMS = 50
+
+
+@dataclass(frozen=True)
+class Majority:
+    """The most common expected answer of an environment's items and its share: a constant answer, that one,
+    earns at least that share of strict reward on the kind without solving anything."""
+
+    answer: str
+    share: float
+    items: int  # items with an expected answer counted
+    classes: int  # distinct answers among them
+
+
+def answer_majority(env: Environment, seed: int = 0, sample: int = MAJORITY_SAMPLE) -> Majority | None:
+    """The most common expected answer (:meth:`Environment.oracle_answer`, spacing and case folded) among
+    ``sample`` training items of ``env``; None where it grades no final answer or fewer than
+    :data:`MAJORITY_MIN_ITEMS` items carry one (verifier-graded kinds: their answers are not compared as text).
+
+    Measured over every shipped environment (``python benchmarks/answer_majority.py``, 2-core AMD EPYC):
+    ``circuit_logic`` answers 1 on every item; ``syllogism``, ``game_of_life_halting``, ``isomorphic_strings``,
+    ``ransom_note`` and ``course_schedule`` are yes/no kinds at 51-72% for one side; ``acre``, ``self_reference``,
+    ``letter_counting``, ``mahjong_puzzle``, ``shortest_path``, ``gcd``, ``rotten_oranges`` and ``zebra_puzzles`` have
+    one answer on 30-42% of their items; the built-in environments 4-6%."""
+    if env.write_answer("0") is None or env.kind in ("code", "terminal", "openenv", "verifiers"):
+        return None
+    answers = [" ".join(answer.split()).casefold() for problem in env.problems("train", sample, seed)
+               if (answer := env.oracle_answer(problem)) is not None]
+    if len(answers) < MAJORITY_MIN_ITEMS:
+        return None
+    counts = Counter(answers)
+    answer, count = counts.most_common(1)[0]
+    return Majority(answer=answer, share=count / len(answers), items=len(answers), classes=len(counts))
 
 
 def drop_flagged(env: Environment, problems: list[Problem], report: ProbeReport) -> list[Problem]:

@@ -51,7 +51,7 @@ from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, now, to_json
 from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
-from evertrain.serving import auth
+from evertrain.serving import auth, guard
 from evertrain.serving.batching import Batcher, Job
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
@@ -773,6 +773,10 @@ def create_app(endpoint: Endpoint) -> Any:
     app = FastAPI(title=f"evertrain endpoint: {endpoint.config.name}", lifespan=lifespan)
     if endpoint.keys is not None:  # serving.auth = "keys": every route but /health needs a key with its scope
         app.add_middleware(auth.AuthMiddleware, keys=endpoint.keys)
+    # added last, so it runs first: a foreign Host or Origin is refused before any key is looked up
+    trace_ids = guard.TraceIds(guard.stored_trace(endpoint.store))  # what /feedback may name
+    app.add_middleware(guard.Guard, allowed_hosts=guard.allowed_hosts(endpoint.serving),
+                       cors_origins=endpoint.serving.cors_origins, trace_ids=trace_ids)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -866,8 +870,16 @@ def create_app(endpoint: Endpoint) -> Any:
             if not isinstance(body.get("passed"), bool):
                 raise ApiError(400, "'passed' must be true or false", code="invalid_feedback", param="passed")
             reward = body.get("reward", 1.0 if body["passed"] else 0.0)
-            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                raise ApiError(400, "'reward' must be a number", code="invalid_feedback", param="reward")
+            if (refusal := guard.feedback_refusal(reward)) is not None:
+                raise ApiError(refusal[0], refusal[1], code=refusal[2], param=refusal[3])
+            owner = await run_in_threadpool(trace_ids.owner, body["trace_id"])
+            key = auth.caller(request.state)
+            # a key gives feedback on its own traces only (an admin key on any): another client's trace is
+            # answered as if it did not exist, so ids cannot be probed
+            if owner is guard.MISSING or (key is not None and "admin" not in key.scopes and owner != key.key_id):
+                raise ApiError(404, f"no trace {body['trace_id']!r}: feedback names the 'id' of a chat completion "
+                               "this endpoint answered for the same API key", code="trace_not_found",
+                               param="trace_id")
         except ApiError as error:
             return JSONResponse(error.body(), error.status)
         if endpoint.writer is not None:
