@@ -9,8 +9,8 @@ from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from tests.conftest import smoke_config_in
 
 OWN = ["arithmetic", "gsm8k", "digits", "mbpp", "sql", "gsm8k-tools"]
-RG = ["basic_arithmetic", "chain_sum", "leg_counting", "word_sorting", "spell_backward", "letter_counting",
-      "number_sorting", "gcd", "lcm", "base_conversion", "caesar_cipher", "simple_equations", "fraction_simplification",
+RG = ["basic_arithmetic", "chain_sum", "leg_counting", "word_sorting", "spell_backward", "products",
+      "number_sorting", "count_primes", "lcm", "base_conversion", "caesar_cipher", "simple_equations", "fraction_simplification",
       "count_bits"]
 
 
