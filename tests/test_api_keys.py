@@ -131,7 +131,8 @@ def test_each_route_needs_its_scope(served):
     url = server.url
     infer = api_key(server.endpoint.store, "infer")
     feedback = api_key(server.endpoint.store, "feedback")
-    answered = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=bearer(infer), timeout=120)
+    both = api_key(server.endpoint.store, "infer,feedback")
+    answered = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=bearer(both), timeout=120)
     assert answered.status_code == 200
     trace_id = answered.json()["id"]
     verdict = {"trace_id": trace_id, "passed": True}
@@ -141,7 +142,9 @@ def test_each_route_needs_its_scope(served):
     _error(httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=bearer(feedback), timeout=60), 403,
            "insufficient_scope")
     _error(httpx.get(f"{url}/openapi.json", headers=bearer(infer), timeout=60), 403, "insufficient_scope")
-    assert httpx.post(f"{url}/feedback", json=verdict, headers=bearer(feedback), timeout=60).status_code == 200
+    # the feedback scope alone labels only its own traces: another key's is answered as if it did not exist
+    _error(httpx.post(f"{url}/feedback", json=verdict, headers=bearer(feedback), timeout=60), 404, "trace_not_found")
+    assert httpx.post(f"{url}/feedback", json=verdict, headers=bearer(both), timeout=60).status_code == 200
     admin = api_key(server.endpoint.store, "admin")
     assert httpx.get(f"{url}/openapi.json", headers=bearer(admin), timeout=60).status_code == 200
 

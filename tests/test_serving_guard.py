@@ -156,7 +156,7 @@ def test_feedback_only_for_the_caller_s_own_traces(live):
     assert _feedback_rows(live, mine) == 0 and _feedback_rows(live, their_id) == 1
     stored = live.endpoint.store.query("SELECT key_id FROM traces WHERE trace_id = ?", [their_id])
     assert stored["key_id"].iloc[0] is not None  # the trace names its key: what the ownership check reads
-    admin = api_key(live.endpoint.store, "admin", name="operator")
+    admin = api_key(live.endpoint.store, "feedback,admin", name="operator")
     assert live.http.post(f"{live.url}/feedback", json={"trace_id": mine, "passed": True}, timeout=60,
                           headers=bearer(admin)).status_code == 200  # an admin key may label any trace
     assert _feedback_rows(live, mine) == 1
