@@ -10,8 +10,8 @@ from tests.conftest import smoke_config_in
 
 OWN = ["arithmetic", "gsm8k", "digits", "mbpp", "sql", "gsm8k-tools"]
 RG = ["basic_arithmetic", "chain_sum", "leg_counting", "word_sorting", "spell_backward", "products",
-      "number_sorting", "count_primes", "lcm", "base_conversion", "caesar_cipher", "simple_equations", "fraction_simplification",
-      "count_bits"]
+      "number_sorting", "count_primes", "lcm", "base_conversion", "caesar_cipher", "simple_equations",
+      "fraction_simplification", "count_bits"]
 
 
 def test_twenty_environment_campaign_runs_an_iteration(tmp_path, models_dir):

@@ -126,7 +126,8 @@ def test_feedback_only_for_traces_that_exist(live):
         assert _feedback_rows(live, unknown) == 0
     # answered just now (its trace maybe not yet committed) and answered before (only in the store)
     fresh = _answered(live)
-    assert live.http.post(f"{live.url}/feedback", json={"trace_id": fresh, "passed": True}, timeout=60).status_code == 200
+    response = live.http.post(f"{live.url}/feedback", json={"trace_id": fresh, "passed": True}, timeout=60)
+    assert response.status_code == 200, response.text
     assert live.endpoint.writer.flush(60)
     key_id = live.endpoint.store.trace_owner(fresh)[1]
     assert key_id is not None
