@@ -17,17 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import machine  # noqa: E402
 
 # Run in the old checkout's child process: grade the stored episodes there (stdin: JSON; stdout: JSON).
 _OLD_GRADER = r"""
 import json, sys
+import evertrain
 from evertrain.envs import registry
 from evertrain.envs.terminal_levels import task_names
 data = json.load(sys.stdin)
@@ -47,6 +51,7 @@ for env_name, options, items in data:
         text = env.episode_text(item["turns"]) if env_name == "terminal" else item["text"]
         rewards.append(env.verify(problem, text).reward)
     out[env_name] = {"pool": sorted(problems) if env_name != "terminal" else [], "rewards": rewards}
+out["_evertrain_file"] = evertrain.__file__  # which checkout's package graded: checked in the parent
 print(json.dumps(out))
 """
 
@@ -104,6 +109,10 @@ def main() -> int:
                           text=True, env={**os.environ, "PYTHONPATH": args.old_checkout}, cwd=args.old_checkout,
                           check=True)
     old = json.loads(done.stdout.strip().splitlines()[-1])
+    old_package = old.pop("_evertrain_file")
+    if not Path(old_package).resolve().is_relative_to(Path(args.old_checkout).resolve()):
+        raise SystemExit(f"the old graders came from {old_package}, not from {args.old_checkout}")
+    print(f"old graders: {old_package}", file=sys.stderr)
     rows = []
     print(f"{'environment':22s} {'episodes':>8} {'old pass':>9} {'new pass':>9} {'disagree':>8} {'pool dropped':>12}")
     for name, _, items in stored:
@@ -120,9 +129,9 @@ def main() -> int:
         rows.append(row)
         print(f"{name:22s} {len(items):>8} {row['old_pass']:>9.3f} {row['new_pass']:>9.3f} {len(disagree):>8} "
               f"{len(dropped):>12}")
-    out = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores, shared with other work", "wall_s": round(time.time() - started, 1),
-           "environments": rows}
+    out = {"command": "python " + " ".join(sys.argv), "date": datetime.now(UTC).isoformat(),
+           "machine": {**machine(), "note": "shared with other work"}, "old_checkout": args.old_checkout,
+           "old_evertrain": old_package, "wall_s": round(time.time() - started, 1), "environments": rows}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
