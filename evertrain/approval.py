@@ -18,13 +18,16 @@ frees the process, can only be resumed by a worker re-running a deployment).
 from __future__ import annotations
 
 import getpass
+import hashlib
 import math
+import os
+import socket
 import time
 from typing import Any
 
 import pandas as pd
 from prefect.input import RunInput
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from evertrain.config import ConfigError
 from evertrain.data.store import now
@@ -42,8 +45,15 @@ class ApprovalInput(RunInput):
     """The reviewer's answer to a promotion the gate passed (the form in the Prefect UI)."""
 
     approve: bool = Field(description="Tick to promote the challenger; leave unticked to keep the champion.")
-    reviewer: str = Field(min_length=1, description="Who decides (recorded in the approvals table and MLflow).")
+    api_key: SecretStr = Field(description="Your evertrain API key with the 'approve' scope (`evertrain keys "
+                               "create --name YOU --scopes approve`): the decision is recorded under its name. "
+                               "Prefect's own server has no user accounts, so the key is how an answer proves who "
+                               "gave it; it is checked against the campaign's store and removed from Prefect as "
+                               "soon as it is read.")
+    evidence_sha256: str = Field(description="The SHA-256 of the evidence you were shown (filled in: leave it). "
+                                 "An answer naming other evidence is refused.")
     reason: str = Field("", description="Why (recorded beside the decision).")
+    answered_from: str = Field("", description="Where you answer from (the CLI fills in user@host).")
 
 
 def _cell(text: Any) -> str:
@@ -163,9 +173,6 @@ def request_approval(rt: Any, iteration: int, decision: dict[str, Any], scores: 
     for a person's answer; a rejection or a timeout turns the decision into 'kept champion'."""
     if rt.config.promotion.approval != "required" or not decision["promoted"]:
         return decision
-    from prefect.exceptions import FlowPauseTimeout
-    from prefect.flow_runs import pause_flow_run
-
     from evertrain.tasks.base import current_flow_run_id
 
     flow_run_id = current_flow_run_id()
@@ -176,26 +183,24 @@ def request_approval(rt: Any, iteration: int, decision: dict[str, Any], scores: 
             "Run the iteration as a flow (`evertrain run`) and answer with `evertrain approve|reject --campaign "
             f"{rt.campaign}`, or set promotion.approval = 'auto' (e.g. --set promotion.approval=auto).")
     evidence = evidence_markdown(rt, iteration, decision, scores, challenger, champion)
+    digest = evidence_digest(evidence)
     requested, began = now(), time.monotonic()
     base = {"challenger_version": challenger, "champion_version": champion, "requested_at": requested,
-            "flow_run_id": str(flow_run_id), "evidence": evidence}
+            "flow_run_id": str(flow_run_id), "evidence": evidence, "evidence_sha256": digest}
     _record(rt, iteration, {**base, "decision": "pending", "reviewer": None, "reason": None, "decided_at": None,
                             "waited_s": None})
     _publish(rt, iteration, evidence)
     timeout = max(1, math.ceil(rt.config.promotion.approval_timeout_s))
-    try:
-        answer = pause_flow_run(wait_for_input=ApprovalInput.with_initial_data(description=evidence),
-                                timeout=timeout, poll_interval=min(POLL_S, timeout), key=f"approval-{iteration}")
-    except FlowPauseTimeout:
-        answer = None
-        _resume_after_timeout(str(flow_run_id))
+    answer, key = _authenticated_answer(rt, iteration, str(flow_run_id), evidence, digest, began, timeout)
     verdict = "timeout" if answer is None else "approved" if answer.approve else "rejected"
-    reviewer = answer.reviewer if answer is not None else None
+    reviewer = key.name if key is not None else None
     why = answer.reason if answer is not None else f"no answer within {timeout} s"
     _record(rt, iteration, {**base, "decision": verdict, "reviewer": reviewer, "reason": why, "decided_at": now(),
-                            "waited_s": time.monotonic() - began})
+                            "waited_s": time.monotonic() - began, "reviewer_key_id": key.key_id if key else None,
+                            "answered_from": answer.answered_from if answer is not None else None})
     rt.tracker.set_tags(rt.tracker.run_id(iteration), {
         "approval.decision": verdict, "approval.reviewer": reviewer or "", "approval.reason": why,
+        "approval.reviewer_key_id": key.key_id if key else "", "approval.evidence_sha256": digest,
         "approval.requested_at": requested.isoformat(), "approval.decided_at": now().isoformat()})
     gate = decision["reason"]
     if verdict == "approved":
@@ -203,6 +208,69 @@ def request_approval(rt: Any, iteration: int, decision: dict[str, Any], scores: 
     said = f"rejected by {reviewer}" + (f": {why}" if why else "") if verdict == "rejected" else f"timeout, {why}"
     return {**decision, "promoted": False, "refused_by_person": True,
             "reason": f"kept champion: {said} (the gate had passed it: {gate})"}
+
+
+def evidence_digest(evidence: str) -> str:
+    """The hex SHA-256 of the evidence Markdown: what an answer must name to show it answers this evidence."""
+    return hashlib.sha256(evidence.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _authenticated_answer(rt: Any, iteration: int, flow_run_id: str, evidence: str, digest: str, began: float,
+                          timeout: int) -> tuple[ApprovalInput | None, Any]:
+    """Wait for an answer that carries a working API key with the ``approve`` scope and names this evidence:
+    (the answer, its key), or (None, None) at the timeout. Every answer is recorded in ``approval_attempts``; a
+    refused one pauses the run again (a fresh pause key) for the rest of the time. The key is deleted from
+    Prefect's run input as soon as it is read."""
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import pause_flow_run
+
+    from evertrain.serving.auth import check_secret
+
+    attempt = 0
+    while True:
+        left = math.ceil(timeout - (time.monotonic() - began))
+        if left <= 0:
+            return None, None
+        pause_key = f"approval-{iteration}" + (f"-{attempt}" if attempt else "")
+        form = ApprovalInput.with_initial_data(description=evidence, evidence_sha256=digest)
+        try:
+            answer = pause_flow_run(wait_for_input=form, timeout=left, poll_interval=min(POLL_S, left),
+                                    key=pause_key)
+        except FlowPauseTimeout:
+            _resume_after_timeout(flow_run_id)
+            return None, None
+        _forget_input(flow_run_id, pause_key)
+        key, why = check_secret(rt.store, answer.api_key.get_secret_value(), "approve")
+        if not why and answer.evidence_sha256 != digest:
+            why = (f"the answer names evidence {answer.evidence_sha256[:12] or '(none)'}, not the evidence shown "
+                   f"({digest[:12]}): read it again (`evertrain approve --show`)")
+        rt.store.append("approval_attempts", [{
+            "campaign": rt.campaign, "iteration": iteration, "outcome": "refused" if why else "accepted",
+            "decision": "approved" if answer.approve else "rejected", "key_id": key.key_id if key else None,
+            "key_name": key.name if key else None, "answered_from": answer.answered_from, "why": why or None,
+            "happened_at": now()}])
+        if not why:
+            return answer, key
+        import logging
+
+        logging.getLogger("evertrain.approval").warning(
+            "iteration %d: an answer to the approval was refused (%s); still waiting", iteration, why)
+        attempt += 1
+
+
+def _forget_input(flow_run_id: str, pause_key: str) -> None:
+    """Delete the answer (it holds an API key) from the Prefect server's run input once it is read."""
+    from prefect.input.actions import delete_flow_run_input
+    from prefect.input.run_input import keyset_from_base_key
+
+    try:
+        delete_flow_run_input(keyset_from_base_key(f"paused-{pause_key}")["response"], flow_run_id)
+    except Exception as error:  # the decision stands; say the key may still be readable there
+        import logging
+
+        logging.getLogger("evertrain.approval").warning(
+            "could not delete the approval answer from the Prefect server (%s): revoke the key it carried if the "
+            "Prefect API is readable by others", error)
 
 
 def paused_promotions(campaign: str) -> list[dict[str, Any]]:
@@ -253,23 +321,33 @@ def waiting(campaign: str, iteration: int | None = None) -> dict[str, Any]:
     return {**run, "evidence": evidence or ""}
 
 
-def answer(campaign: str, approve: bool, reason: str = "", reviewer: str | None = None,
-           iteration: int | None = None) -> dict[str, Any]:
-    """Resume the campaign's paused promotion with a reviewer's answer, as the Prefect UI's form does."""
+def answer(campaign: str, approve: bool, reason: str = "", api_key: str | None = None,
+           iteration: int | None = None, answered_from: str | None = None) -> dict[str, Any]:
+    """Resume the campaign's paused promotion with a reviewer's answer, as the Prefect UI's form does. The
+    answer carries ``api_key`` (default: ``$EVERTRAIN_API_KEY``), which needs the ``approve`` scope: the stage
+    that waits checks it against the store and records the decision under the key's name."""
     from prefect.exceptions import FlowPauseTimeout, NotPausedError
     from prefect.flow_runs import resume_flow_run
 
+    from evertrain.serving.auth import ENV_VAR
+
+    secret = api_key or os.environ.get(ENV_VAR, "")
+    if not secret:
+        raise ApprovalError(f"an answer needs an API key with the 'approve' scope: set {ENV_VAR} or give "
+                            "--key-file (make one with `evertrain keys create --name YOU --scopes approve`)")
     run = waiting(campaign, iteration)
-    who = reviewer or getpass.getuser()
+    where = answered_from or f"{getpass.getuser()}@{socket.gethostname()} (evertrain CLI)"
     try:
-        resume_flow_run(run["flow_run_id"], run_input={"approve": approve, "reviewer": who, "reason": reason})
+        resume_flow_run(run["flow_run_id"], run_input={
+            "approve": approve, "api_key": secret, "evidence_sha256": evidence_digest(run["evidence"]),
+            "reason": reason, "answered_from": where})
     except FlowPauseTimeout as error:
         raise ApprovalError(f"too late: the wait of iteration {run['iteration']} timed out, which rejected the "
                             "challenger") from error
     except (NotPausedError, RuntimeError) as error:  # answered meanwhile, or the server refused the input
         raise ApprovalError(f"iteration {run['iteration']} of campaign {campaign!r} could not be resumed: "
                             f"{error}") from error
-    return {**run, "approve": approve, "reviewer": who, "reason": reason}
+    return {**run, "approve": approve, "reason": reason, "answered_from": where}
 
 
 def approval_page(evidence: str, title: str = "Promotion waiting for approval") -> str:

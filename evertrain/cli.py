@@ -837,8 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "create":
             verb.add_argument("--name", required=True, help="who or what uses it, e.g. 'support-bot'")
             verb.add_argument("--scopes", default="infer",
-                              help="comma-separated, of infer (chat completions), feedback (POST /feedback), admin "
-                              "(default: infer)")
+                              help="comma-separated, of infer (chat completions), feedback (POST /feedback), admin, approve "
+                              "(answer promotions waiting for a person) (default: infer)")
         elif action == "revoke":
             verb.add_argument("key", metavar="NAME_OR_ID", help="the key's id (key_...) or name")
         else:
@@ -893,7 +893,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(promotion.approval = 'required'), through the Prefect API")
         answer.add_argument("--campaign", required=True)
         answer.add_argument("--reason", default="", help="why (recorded in the approvals table and MLflow)")
-        answer.add_argument("--reviewer", help="who decides (default: the login name)")
+        answer.add_argument("--key-file", metavar="FILE", help="file holding your API key with the 'approve' scope "
+                            "(default: $EVERTRAIN_API_KEY); the decision is recorded under the key's name")
         answer.add_argument("--iteration", type=int, help="which iteration, when several wait")
         answer.add_argument("--show", action="store_true", help="print the evidence the form shows; answer nothing")
         answer.add_argument("--html", metavar="FILE", help="write the evidence as an HTML page; answer nothing")
@@ -923,12 +924,19 @@ def _answer(args: argparse.Namespace, approve: bool) -> int:
             if args.show:
                 print(run["evidence"])
             return 0
-        done = answer(args.campaign, approve, args.reason, args.reviewer, args.iteration)
+        secret = None
+        if args.key_file:
+            try:
+                secret = Path(args.key_file).read_text().strip()
+            except OSError as error:
+                raise ApprovalError(f"--key-file {args.key_file}: {error.strerror or error}") from None
+        done = answer(args.campaign, approve, args.reason, secret, args.iteration)
     except ApprovalError as error:
         print(f"evertrain: error: {error}", file=sys.stderr)
         return 2
-    print(f"campaign {args.campaign!r}, iteration {done['iteration']}: {'approved' if approve else 'rejected'} by "
-          f"{done['reviewer']}; flow run {done['name']} resumes")
+    print(f"campaign {args.campaign!r}, iteration {done['iteration']}: answered {'approve' if approve else 'reject'} "
+          f"from {done['answered_from']}; flow run {done['name']} resumes once the key is checked "
+          "(`evertrain sql \"SELECT * FROM approval_attempts\"` shows whether it was accepted)")
     return 0
 
 

@@ -330,6 +330,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log_path: Path, began: float,
               cpu0: float, events: list[dict[str, Any]], mark: Any, prefect: subprocess.Popen) -> dict[str, Any]:
     from evertrain.approval import ApprovalError, answer, paused_promotions
+    from evertrain.serving.auth import create_key
 
     runner = server = traffic = None
     result: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, "-m", "evertrain.flywheel",
@@ -363,12 +364,15 @@ def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log
                     after_episodes=traffic.count("after"))
         traffic.phase = "training"
 
+        # the demo plays the reviewer: an answer needs a key with the approve scope, recorded under its name
+        reviewer = create_key(store, f"flywheel-demo-reviewer-{time.strftime('%Y%m%d-%H%M%S')}", "approve",
+                              actor="flywheel")[0]
         approved = swap = None
         while swap is None and time.time() < deadline:
             if approved is None and paused_promotions(config.name):
                 try:
                     done = answer(config.name, True, reason="flywheel demo: the challenger recovers the new tool",
-                                  reviewer="flywheel-demo")
+                                  api_key=reviewer)
                     approved = mark("approved (Prefect API)", iteration=done["iteration"], run=done["name"])
                 except ApprovalError as error:
                     log(f"approval not possible yet: {error}")

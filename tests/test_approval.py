@@ -14,33 +14,45 @@ import time
 import pandas as pd
 import pytest
 
-from tests.conftest import smoke_config_in
+from tests.conftest import api_key, smoke_config_in
 
-TIMEOUT_S = 8  # the reviewer answers within a second or two of a pause; iteration 1 waits all of it
+TIMEOUT_S = 12  # the reviewer answers within a few seconds of a pause; iteration 1 waits all of it
 
 
-def _reviewer(campaign: str, stop: threading.Event, seen: dict) -> None:
+def _pause_key(run: dict) -> str:
+    return str(run["state"].state_details.pause_key)
+
+
+def _reviewer(campaign: str, keys: dict, stop: threading.Event, seen: dict) -> None:
     from prefect.flow_runs import resume_flow_run
 
-    from evertrain.approval import paused_promotions
+    from evertrain.approval import evidence_digest, paused_promotions, waiting
     from evertrain.cli import main
 
     # before anything waits, an answer is refused with a clear error (exit 2)
-    seen["early"] = main(["approve", "--campaign", campaign, "--reviewer", "eve"])
+    seen["early"] = main(["approve", "--campaign", campaign, "--key-file", str(keys["ann"])])
     while not stop.is_set():
         for run in paused_promotions(campaign):
-            iteration = run["iteration"]
-            if iteration == 0 and 0 not in seen:
-                seen[0] = main(["reject", "--campaign", campaign, "--reviewer", "bob", "--reason", "too risky"])
+            iteration, pause = run["iteration"], _pause_key(run)
+            if iteration == 0 and "mallory" not in seen:
+                # a key without the approve scope: sent, recorded, refused; the stage waits again (a new pause)
+                seen["mallory"] = (pause, main(["reject", "--campaign", campaign, "--key-file", str(keys["mallory"]),
+                                                "--reason", "no right to"]))
+            elif iteration == 0 and 0 not in seen and pause != seen["mallory"][0]:
+                seen[0] = main(["reject", "--campaign", campaign, "--key-file", str(keys["bob"]), "--reason",
+                                "too risky"])
             elif iteration == 2 and 2 not in seen:
                 # the form's description, read back from the Prefect server (what the UI shows), as a page
                 seen["html"] = main(["approve", "--campaign", campaign, "--html", str(seen["page"])])
-                try:  # the form is typed: an answer without a reviewer is refused by the server
-                    resume_flow_run(run["flow_run_id"], run_input={"approve": True})
+                try:  # the form is typed: an answer without a key is refused by the server
+                    resume_flow_run(run["flow_run_id"], run_input={"approve": True, "reason": "trust me"})
                 except RuntimeError as error:
                     seen["untyped"] = str(error)
-                resume_flow_run(run["flow_run_id"], run_input={"approve": True, "reviewer": "ann",
-                                                               "reason": "sealed looks fine"})
+                # what the Prefect UI's form sends: the key pasted in, the evidence hash it was prefilled with
+                digest = evidence_digest(waiting(campaign, 2)["evidence"])
+                resume_flow_run(run["flow_run_id"], run_input={
+                    "approve": True, "api_key": keys["ann"].read_text(), "evidence_sha256": digest,
+                    "reason": "sealed looks fine"})
                 seen[2] = 0
             # iteration 1: nobody answers
         time.sleep(0.5)
@@ -61,8 +73,14 @@ def approved_campaign(tmp_path_factory, models_dir, prefect_server):
         promotion={"confidence": 0.5, "bootstrap_samples": 200, "max_regression": 1.0,
                    "approval": "required", "approval_timeout_s": TIMEOUT_S},
     )
+    folder = tmp_path_factory.mktemp("keys")
+    keys = {}
+    with Runtime.open(config) as rt:  # each reviewer's key, as `evertrain keys create` makes it
+        for name, scopes in (("ann", "approve"), ("bob", "approve"), ("mallory", "infer,feedback")):
+            keys[name] = folder / name
+            keys[name].write_text(api_key(rt.store, scopes, name=name))
     stop, seen = threading.Event(), {"page": tmp_path_factory.mktemp("form") / "approval.html"}
-    reviewer = threading.Thread(target=_reviewer, args=(config.name, stop, seen), daemon=True)
+    reviewer = threading.Thread(target=_reviewer, args=(config.name, keys, stop, seen), daemon=True)
     reviewer.start()
     try:
         finished = campaign_flow(config, 3)
@@ -90,7 +108,13 @@ def test_approval_promotes_the_challenger(approved_campaign):
     row = approvals.loc[2]
     assert row["decision"] == "approved" and row["reviewer"] == "ann" and row["reason"] == "sealed looks fine"
     assert row["decided_at"] >= row["requested_at"] and row["waited_s"] > 0
-    assert "reviewer" in seen["untyped"]
+    assert "api_key" in seen["untyped"]  # a name alone is no answer
+    assert row["reviewer_key_id"].startswith("key_") and row["answered_from"] == ""  # the form says nothing
+    # the key it carried was deleted from Prefect's run input once read: the server holds no secret
+    from prefect.input.actions import read_flow_run_input
+    from prefect.input.run_input import keyset_from_base_key
+
+    assert read_flow_run_input(keyset_from_base_key("paused-approval-2")["response"], row["flow_run_id"]) is None
     decision = promotions.loc[2]
     assert decision["promoted"] and "approved by ann: sealed looks fine" in decision["reason"]
     assert rt.champion_version() == decision["challenger_version"] != 1
@@ -116,6 +140,10 @@ def test_reject_from_the_command_line(approved_campaign):
     assert seen[0] == 0
     row = approvals.loc[0]
     assert row["decision"] == "rejected" and row["reviewer"] == "bob" and row["reason"] == "too risky"
+    assert "(evertrain CLI)" in row["answered_from"] and row["reviewer_key_id"].startswith("key_")
+    from evertrain.approval import evidence_digest
+
+    assert row["evidence_sha256"] == evidence_digest(row["evidence"])
     decision = promotions.loc[0]
     assert not decision["promoted"] and "rejected by bob: too risky" in decision["reason"]
     assert promotions.loc[1, "champion_version"] == 1
@@ -164,3 +192,26 @@ def test_promote_outside_a_flow_refuses_clearly(approved_campaign):
         run_stage(rt, "promote", 2, STAGE_FUNCTIONS["promote"])
     assert rt.champion_version() == champion == promotions.loc[2, "challenger_version"]
     assert rt.store.query("SELECT decision FROM approvals WHERE iteration = 2")["decision"].tolist() == ["approved"]
+
+
+def test_an_answer_without_the_right_key_is_refused_and_recorded(approved_campaign):
+    """Issue 45: an approval carries an authenticated identity. mallory's key (infer, feedback) answered iteration
+    0 first: refused and recorded, and the decision waited for bob's key."""
+    _, rt, _, seen, approvals, _ = approved_campaign
+    assert seen["mallory"][1] == 0  # the CLI delivered it: the stage, which holds the store, refused it
+    attempts = rt.store.query("SELECT * FROM approval_attempts WHERE iteration = 0 ORDER BY happened_at")
+    assert attempts["outcome"].tolist() == ["refused", "accepted"], attempts
+    assert attempts["key_name"].tolist() == ["mallory", "bob"]
+    assert "lacks the scope 'approve'" in attempts["why"].iloc[0]
+    assert approvals.loc[0, "reviewer"] == "bob"
+    assert rt.store.scalar("SELECT count(*) FROM approval_attempts WHERE iteration = 2 AND outcome = 'accepted' "
+                           "AND key_name = 'ann'") == 1
+
+
+def test_the_cli_needs_a_key(approved_campaign, monkeypatch, capsys):
+    from evertrain.cli import main
+
+    config = approved_campaign[0]
+    monkeypatch.delenv("EVERTRAIN_API_KEY", raising=False)
+    assert main(["approve", "--campaign", config.name]) == 2
+    assert "'approve' scope" in capsys.readouterr().err

@@ -285,6 +285,18 @@ API_KEY_EVENTS = Table("api_key_events", comment=(
     Column("host", "VARCHAR"), Column("happened_at", "TIMESTAMPTZ"),
 ))
 
+APPROVAL_ATTEMPTS = Table("approval_attempts", comment=(
+    "every answer to a promotion waiting for approval, accepted or refused: the key it carried, from where, why"
+), columns=(
+    Column("campaign", "VARCHAR"), Column("iteration", "INTEGER"),
+    Column("outcome", "VARCHAR", "accepted, or refused (no key, an unknown or revoked key, no 'approve' scope, "
+           "stale evidence)"),
+    Column("decision", "VARCHAR", "what the answer asked: approved or rejected"),
+    Column("key_id", "VARCHAR", "the API key the answer carried (NULL: none, or not a key of this store)"),
+    Column("key_name", "VARCHAR"), Column("answered_from", "VARCHAR", "where the answer says it came from"),
+    Column("why", "VARCHAR"), Column("happened_at", "TIMESTAMPTZ"),
+))
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "the schema before migrations: problems, rollouts, evals, promotions, lineage, audit, serving, "
                  "curriculum", tuple(CreateTable(table) for table in V1_TABLES)),
@@ -293,6 +305,15 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "API keys of the endpoint (api_keys, hashed; api_key_events, their audit); the key of each trace",
               (CreateTable(API_KEYS), CreateTable(API_KEY_EVENTS),
                AddColumn("traces", Column("key_id", "VARCHAR", "the API key the request was made with (NULL: none)")))),
+    Migration(4, "approvals carry an identity: the approving key, where the answer came from, the evidence's hash; "
+                 "approval_attempts (every answer, refused ones included)",
+              (AddColumn("approvals", Column("reviewer_key_id", "VARCHAR", "the API key (scope approve) that "
+                                             "answered; reviewer is that key's name")),
+               AddColumn("approvals", Column("answered_from", "VARCHAR", "where the answer says it came from "
+                                             "(the CLI: user@host; the Prefect UI: what the form was given)")),
+               AddColumn("approvals", Column("evidence_sha256", "VARCHAR", "hex SHA-256 of the evidence shown, "
+                                             "which the answer had to name")),
+               CreateTable(APPROVAL_ATTEMPTS))),
 )
 LATEST = MIGRATIONS[-1].version
 BOOKKEEPING = ("schema_info", "schema_migrations")  # the schema's own tables, not the campaign's data

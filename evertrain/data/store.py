@@ -50,7 +50,8 @@ LAKE = "lake"  # the name the DuckLake catalog is attached as (and made the defa
 
 TABLES = ("problems", "rollouts", "evals", "promotions", "stage_runs", "model_versions",
           "campaigns", "campaign_state", "env_validations", "rollbacks", "sandbox_runs", "mix", "sft_examples",
-          "approvals", "traces", "trace_feedback", "curriculum", "broad_sealed", "api_keys", "api_key_events")
+          "approvals", "traces", "trace_feedback", "curriculum", "broad_sealed", "api_keys", "api_key_events",
+          "approval_attempts")
 
 SCHEMA_VERSION = schema.LATEST
 SCHEMA = schema.ddl()  # the latest tables' DDL, for reading (the store is made by evertrain.data.schema.migrate)

@@ -7,7 +7,8 @@ name and scopes, and who made and revoked it and when (``api_key_events``, the a
 
 Scopes
     ``infer`` (``/v1/...``: chat completions, models), ``feedback`` (``POST /feedback``), ``admin`` (any other
-    route, the API docs included). ``/health`` is open: it says whether a model is served, which version, and
+    route, the API docs included), ``approve`` (no route of the endpoint: answering a promotion that waits for
+    a person, :mod:`evertrain.approval`). ``/health`` is open: it says whether a model is served, which version, and
     how many requests and traces wait; the champion watcher's last error (which can name files) only to an
     ``admin`` key.
 
@@ -43,7 +44,7 @@ from evertrain.data.store import Store, now
 
 log = logging.getLogger("evertrain.serving")
 
-SCOPES = ("infer", "feedback", "admin")
+SCOPES = ("infer", "feedback", "admin", "approve")  # approve: answer a promotion waiting for approval
 SECRET_PREFIX = "et-"
 PREFIX_CHARS = 10  # shown by `evertrain keys list`: "et-" and 7 of the 43 random characters
 ENV_VAR = "EVERTRAIN_API_KEY"  # the key the project's own clients (the flywheel demo, benchmarks) send
@@ -147,6 +148,21 @@ class KeyCache:
             while len(self._found) > self.entries:
                 self._found.popitem(last=False)
             return key
+
+
+def check_secret(store: Store, secret: str | None, scope: str) -> tuple[ApiKey | None, str]:
+    """A key given outside a request (an approval's answer): (the working key, "") when ``secret`` is a working
+    key of ``store`` with ``scope``, else (the key or None, why it is refused)."""
+    if not secret:
+        return None, "no API key"
+    if not secret.startswith(SECRET_PREFIX) or len(secret) > 200:
+        return None, "not an evertrain API key"
+    key = KeyCache(store, ttl=0).read(hash_secret(secret))
+    if key is None:
+        return None, "the API key is not valid (unknown, wrong or revoked)"
+    if scope not in key.scopes:
+        return key, f"the API key {key.name!r} lacks the scope {scope!r} (it has: {', '.join(sorted(key.scopes))})"
+    return key, ""
 
 
 def required_scope(path: str) -> str | None:
