@@ -837,8 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "create":
             verb.add_argument("--name", required=True, help="who or what uses it, e.g. 'support-bot'")
             verb.add_argument("--scopes", default="infer",
-                              help="comma-separated, of infer (chat completions), feedback (POST /feedback), admin, approve "
-                              "(answer promotions waiting for a person) (default: infer)")
+                              help="comma-separated, of infer (chat completions), feedback (POST /feedback), "
+                              "admin, approve (answer promotions waiting for a person) (default: infer)")
         elif action == "revoke":
             verb.add_argument("key", metavar="NAME_OR_ID", help="the key's id (key_...) or name")
         else:
