@@ -76,7 +76,19 @@ def iteration_flow(rt: Runtime, iteration: int) -> dict[str, Any]:
 def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list[int]:
     """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
     with Runtime.open(config) as rt:  # once per run: every stage shares it, and it is closed however the run ends
+        if _from_a_deployment():  # a run through Prefect's API or UI may not change what the campaign promises
+            from evertrain import promises
+
+            promises.check(rt.store, config)
         return run_campaign(rt, iterations)
+
+
+def _from_a_deployment() -> bool:
+    """Whether this flow run was created from a deployment (its form in the UI, the API, a schedule, a worker)."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
 
 
 def run_campaign_flow(rt: Runtime, iterations: int | None = None) -> list[int]:

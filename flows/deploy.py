@@ -101,6 +101,10 @@ def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron:
 
     if interval is None and cron is None:
         raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
+    from evertrain import promises
+
+    for config in configs:  # the operator's config, what runs from the deployment must keep (evertrain.promises)
+        promises.record(config)
     deployments = [build_deployment(c, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
                    for c in configs]
     deployments += [build_drift_deployment(c) for c in configs if c.drift.enabled]
@@ -128,9 +132,12 @@ def deploy(configs: list[CampaignConfig], *, pool: str, interval: float | None =
     last line of defence. The entrypoint is the installed module ``evertrain.flows.campaign``, so a
     worker needs only this package installed (a Docker or Kubernetes pool: an image with it).
     """
+    from evertrain import promises
+
     ensure_work_pool(pool)
     ids = []
     for config in configs:
+        promises.record(config)  # the operator's config, what runs from the deployment must keep
         deployment = build_deployment(config, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
         ids.append(deployment.apply(work_pool_name=pool))
         if config.drift.enabled:
@@ -190,5 +197,8 @@ def serve_flywheel(config: CampaignConfig, *, monitor_interval: float | None = N
     monitor on its interval, from this process until interrupted (the drift demo, evertrain.flywheel)."""
     from prefect import serve as prefect_serve
 
+    from evertrain import promises
+
+    promises.record(config)  # what the drift runs of the deployment must keep
     prefect_serve(build_deployment(config, iterations_per_run=config.drift.iterations),
                   build_drift_deployment(config, interval=monitor_interval), limit=2)
