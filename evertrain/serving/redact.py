@@ -37,6 +37,21 @@ KEY_VALUE = (r"(?i)(\b(?:password|passwd|pwd|passphrase|api[_-]?key|apikey|secre
 EMAIL = r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b"
 
 
+SURROGATE = regex.compile(r"[\ud800-\udfff]")
+
+
+def storable(text: str, *, json_text: bool = False) -> str:
+    """``text`` as UTF-8 can encode it: each unpaired surrogate (``"\\ud800"`` in a JSON string decodes to one)
+    becomes the six characters of its escape, ``\\ud800`` (in ``json_text``, JSON text, the escaped backslash
+    ``\\\\ud800``, so the JSON still decodes to those six characters); any other text is unchanged."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        slash = "\\\\" if json_text else "\\"
+        return SURROGATE.sub(lambda m: f"{slash}u{ord(m.group()):04x}", text)
+    return text
+
+
 class Redactor:
     """Applies one :class:`~evertrain.config.RedactionConfig` to strings and JSON-like values."""
 
@@ -57,7 +72,9 @@ class Redactor:
         self._key_value = regex.compile(KEY_VALUE, regex.VERSION0) if config.secrets else None
 
     def text(self, value: str) -> str:
-        """``value`` with every match of the rule replaced (the whole of it when a pattern runs out of time)."""
+        """``value`` with every match of the rule replaced (the whole of it when a pattern runs out of time), and
+        an unpaired surrogate as its escape (:func:`storable`)."""
+        value = storable(value)
         try:
             if self._key_value is not None:
                 value = self._key_value.sub(lambda m: m.group(1) + self.replacement, value, concurrent=True,

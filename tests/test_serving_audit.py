@@ -1,0 +1,156 @@
+"""The endpoint's audit survives bad input (issue 45): an unpaired surrogate is refused with a 400 and its trace
+stored with the surrogate escaped, without blocking the traces after it; a row the store refuses is set aside
+(counted, kept in the failed-row file) while the rest of its batch is written; every malformed body gets an
+OpenAI-style JSON 4xx, never a 500, and is traced. The real endpoint (uvicorn, the tiny model, the real store)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from evertrain.data.store import Store, now
+from evertrain.runtime import Runtime
+from evertrain.serving.app import TRACE_HEADER, EndpointServer
+from evertrain.serving.traces import TraceWriter
+from tests.conftest import api_key, bearer, smoke_config_in, store_uri
+
+CHAT = {"model": "audited", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, models_dir):
+    root = tmp_path_factory.mktemp("audit")
+    config = smoke_config_in(root, models_dir, name="audited", environments=[{"name": "calculator", "weight": 1}],
+                             model={"rollout_dtype": "float32"}, torch_threads=1,
+                             serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2})
+    rt = Runtime.open(config)
+    rt.ensure_started()
+    with EndpointServer(config, port=0, store=rt.store) as server, \
+            httpx.Client(headers=bearer(api_key(rt.store, "infer,feedback"))) as http:
+        server.http = http
+        yield server
+    rt.close()
+
+
+def _post(live: EndpointServer, body: bytes) -> httpx.Response:
+    return live.http.post(f"{live.url}/v1/chat/completions", content=body, timeout=120,
+                          headers={"content-type": "application/json"})
+
+
+def _trace(live: EndpointServer, trace_id: str) -> dict:
+    assert live.endpoint.writer.flush(60), "the trace writer is stuck"
+    frame = live.endpoint.store.query("SELECT * FROM traces WHERE trace_id = ?", [trace_id])
+    assert len(frame) == 1, trace_id
+    return frame.iloc[0].to_dict()
+
+
+def test_an_unpaired_surrogate_is_refused_and_traced_escaped_and_blocks_nothing(live):
+    body = b'{"model": "audited", "max_tokens": 2, "messages": [{"role": "user", "content": "bad \\ud800 text"}]}'
+    bad = _post(live, body)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == "invalid_unicode" and "surrogate" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "messages[0].content"
+    stored = _trace(live, bad.headers[TRACE_HEADER])
+    # the text of the escape, six characters, where the surrogate was
+    assert json.loads(stored["request"])["messages"][0]["content"] == "bad \\ud800 text"
+    assert stored["http_status"] == 400
+    good = [live.http.post(f"{live.url}/v1/chat/completions", json=CHAT, timeout=120) for _ in range(3)]
+    assert all(r.status_code == 200 for r in good), [r.text for r in good]
+    for response in good:
+        assert _trace(live, response.headers[TRACE_HEADER])["status"] == "ok"
+    # feedback whose detail has one is refused the same way, and traces still flow
+    answered = good[0].headers[TRACE_HEADER]
+    refused = live.http.post(f"{live.url}/feedback", timeout=60, headers={"content-type": "application/json"},
+                             content=b'{"trace_id": "%s", "passed": true, "detail": "\\udc00"}' % answered.encode())
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_unicode", refused.text
+    assert live.endpoint.writer.flush(60) and live.endpoint.writer.failed_rows == 0
+
+
+def test_a_row_the_store_refuses_is_set_aside_and_the_batch_written(tmp_path):
+    store = Store(store_uri(tmp_path))
+    failed = tmp_path / "failed.jsonl"
+    writer = TraceWriter(store, batch_rows=1000, flush_seconds=30, failed_path=failed)
+    try:
+        def row(i: int, latency: object) -> dict:
+            return {"trace_id": f"t{i}", "campaign": "c", "status": "ok", "http_status": 200, "latency_ms": latency,
+                    "created_at": now(), "request": '{"text": "surrogate \ud800 escaped"}'}
+
+        for i in range(9):
+            writer.add_trace(row(i, "not a number" if i == 4 else float(i)))  # the store cannot cast this one
+        assert writer.flush(30), f"stuck with {writer.backlog()} rows"
+        ids = set(store.query("SELECT trace_id FROM traces")["trace_id"])
+        assert ids == {f"t{i}" for i in range(9)} - {"t4"}
+        assert writer.failed_rows == 1
+        kept = [json.loads(line) for line in failed.read_text().splitlines()]
+        assert [k["row"]["trace_id"] for k in kept] == ["t4"] and kept[0]["table"] == "traces" and kept[0]["error"]
+        assert {json.loads(text)["text"] for text in store.query("SELECT request FROM traces")["request"]} == {
+            "surrogate \\ud800 escaped"}
+    finally:
+        writer.close()
+        store.close()
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+MALFORMED = [
+    b"", b"null", b"[]", b"42", b'"text"', b"{", b"{'model': 1}", b"\xff\xfe", b"\x00", DEEP,
+    b'{"model": "audited", "messages": ' + b"[" * 200 + b"]" * 200 + b"}",
+    b'{"model": "audited", "max_tokens": ' + b"9" * 5000 + b', "messages": []}',
+    b'{"model": "audited", "messages": [{"role": "user", "content": "a\\u0000b"}], "max_tokens": 1e999}',
+    b'{"model": "audited", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+    b'{"model": "audited", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+]
+FIELDS = {
+    "model": [None, 1, [], {}, "", "other"],
+    "messages": [None, 1, "hi", {}, [], [1], ["hi"], [None], [[]], [{}], [{"role": 1}],
+                 [{"role": "user", "content": 1}], [{"role": "user", "content": [1]}],
+                 [{"role": "user", "content": [{"type": "image_url"}]}],
+                 [{"role": "user", "content": {"a": 1}}], [{"role": "assistant", "content": "x", "tool_calls": 1}],
+                 [{"role": "assistant", "content": "x", "tool_calls": "abc"}],
+                 [{"role": "assistant", "content": "x", "tool_calls": [{"function": "python"}]}],
+                 [{"role": "assistant", "content": "x", "tool_calls": [{"function": {"name": 1}}]}],
+                 [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "calculator",
+                                                                                      "arguments": 5}}]}],
+                 [{"role": "tool", "content": "x", "name": 5}], [{"role": "tool", "content": "x", "name": {}}]],
+    "max_tokens": [0, -1, 1.5, "5", True, [], 10**30],
+    "max_completion_tokens": ["x", {}],
+    "temperature": ["hot", -1, 99, [], {}, True],
+    "top_p": ["x", 2, []],
+    "n": [0, 99, "2", 1.0, []],
+    "seed": ["x", 1.5, [], 10**40],
+    "stop": [1, [1], ["a"] * 9, [""], {}],
+    "stream": [[], {}, "yes"],
+    "stream_options": [1, "x", [], {"include_usage": []}],
+    "tools": [1, "x", {}, [1], [{"function": "calculator"}], [{"function": {"name": 1}}], [{"function": []}]],
+    "tool_choice": [[], {}, 1],
+    "evertrain": [1, "x", [], {}, {"env": 1}, {"env": "nope"}, {"env": "calculator", "problem": 1},
+                  {"env": "calculator", "problem": "x"}, {"env": "calculator", "problem": []},
+                  {"env": "calculator", "problem": {"answer": {}}}, {"env": "calculator", "problem_id": []},
+                  {"env": "calculator", "problem_id": "missing"}],
+}
+
+
+def _battery() -> list[bytes]:
+    bodies = list(MALFORMED)
+    for field, values in FIELDS.items():
+        bodies += [json.dumps({**CHAT, field: value}).encode() for value in values]
+    return bodies
+
+
+def test_every_malformed_body_gets_a_json_4xx_and_a_trace(live):
+    failures = []
+    for body in _battery():
+        response = _post(live, body)
+        try:
+            error = response.json().get("error") if response.status_code >= 400 else None
+        except ValueError:
+            error = None
+        if response.status_code >= 500 or (response.status_code >= 400 and not (error and error.get("code"))):
+            failures.append((body[:120], response.status_code, response.text[:200]))
+            continue
+        trace = _trace(live, response.headers[TRACE_HEADER])
+        assert trace["http_status"] == response.status_code, (body[:120], trace)
+    assert not failures, "\n".join(map(str, failures))
+    assert live.endpoint.internal_errors == 0
+
