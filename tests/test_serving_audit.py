@@ -154,3 +154,81 @@ def test_every_malformed_body_gets_a_json_4xx_and_a_trace(live):
     assert not failures, "\n".join(map(str, failures))
     assert live.endpoint.internal_errors == 0
 
+
+# (what, text around the secret, the secret): each secret must be gone from its redacted text
+SECRETS = [
+    ("OpenAI key", "key {}", "sk-" + "a1B2" * 6),
+    ("OpenAI project key", "OPENAI_API_KEY {}", "sk-proj-" + "Zz9_" * 8),
+    ("GitHub classic token", "push with {}", "ghp_" + "A1b2C3d4" * 5),
+    ("GitHub fine-grained token", "token is {} ok", "github_pat_11ABCDEFG0" + "x1Y2z3" * 10),
+    ("GitLab token", "use {} here", "glpat-" + "Ab1-Cd2_Ef3" * 2),
+    ("Hugging Face token", "HF {}", "hf_" + "AbCdEfGh12" * 4),
+    ("npm token", "//registry.npmjs.org/:_authToken {}", "npm_" + "a1B2c3D4e5F6" * 3),
+    ("Stripe secret key", "stripe {}", "sk_live_" + "51HxYz" * 5),
+    ("Stripe restricted key", "stripe {}", "rk_live_" + "51HxYz" * 5),
+    ("Stripe publishable key", "stripe {}", "pk_live_" + "51HxYz" * 5),
+    ("Stripe test key", "stripe {}", "sk_test_" + "4eC39HqLyjWDarjtT1zdp7dc"),
+    ("SendGrid key", "mail {}", "SG." + "ngeVfQFYQlKU0ufo8x5d1A" + "." + "TwL2iGABf9DHoTf-09kqeF8tAmbihYzrnopKc-1s5cr"),
+    ("Twilio API key", "twilio {}", "SK" + "0123456789abcdef" * 2),
+    ("AWS access key id", "aws {}", "AKIA" + "IOSFODNN7EXAMPLE"),
+    ("AWS secret key", "aws_secret_access_key = {}", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
+    ("Slack bot token", "slack {}", "xoxb-" + "123456789012-1234567890123-AbCdEfGhIjKlMnOp"),
+    ("Slack webhook", "post to {} now", "https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX"),
+    ("Google API key", "maps {}", "AIza" + "SyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q"),
+    ("JWT", "cookie: session={}", "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+                                  "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"),
+    ("Bearer header", "Authorization: Bearer {}", "abcdef0123456789.token"),
+    ("Basic auth header", "Authorization: Basic {}", "YWxhZGRpbjpvcGVuc2VzYW1l"),
+    ("Visa card", "card {} exp 12/29", "4111 1111 1111 1111"),
+    ("Mastercard", "pay with {}.", "5555-5555-5555-4444"),
+    ("Amex card", "amex {}", "3782 822463 10005"),
+    ("card number unspaced", "cc={}", "4012888888881881"),
+    ("Azure connection string", "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={};EndpointSuffix=x",
+     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="),
+    ("URL with password", "DATABASE_URL=postgres://admin:{}@db.internal:5432/app", "hunter2-Secret"),
+    ("private key", "{}", "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA7\n-----END RSA PRIVATE KEY-----"),
+    ("password assignment", "password={}", "correct-horse-battery"),
+]
+CONTROLS = [
+    "The answer is 1234 5678.",
+    "17 * 23 = 391, and 2**53 = 9007199254740992",
+    "4111111111111112 is not a valid card (Luhn fails), nor is 5555 5555 5555 4445",
+    "pi = 3.14159265358979323846, e = 2.718281828459045",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Basic arithmetic: 2 + 2 = 4, and basic questions are welcome",
+    "def f(x):\n    return {'token_count': x * 2, 'key': 'value'}\n",
+    "See https://example.com/docs/page?x=1 and http://localhost:8080/v1/chat?a=b:c",
+    "ISBN 978-3-16-148410-0, phone +1 555 123 4567, order #20240512123456",
+    "trace chatcmpl-4111111111111111abc and id a5555555555554444",  # digits inside an identifier
+    "The JWT spec (RFC 7519) says a token has three parts: header.payload.signature",
+]
+
+
+def test_redaction_covers_common_secret_formats_and_keeps_ordinary_text():
+    from evertrain.config import RedactionConfig
+    from evertrain.serving.redact import Redactor
+
+    rule = Redactor(RedactionConfig())
+    stored = []
+    for what, around, secret in SECRETS:
+        redacted = rule.text(around.format(secret))
+        stored.append((what, redacted))
+        assert "[REDACTED]" in redacted, (what, redacted)
+    kept = [(what, redacted) for (what, _, secret), (_, redacted) in zip(SECRETS, stored, strict=True)
+            if secret in redacted]
+    assert not kept, kept
+    assert [rule.text(text) for text in CONTROLS] == CONTROLS
+    # a URL keeps its scheme, user and host; a header its scheme: what was there stays readable
+    assert rule.text("postgres://admin:pw123@db:5432/app") == "postgres://admin:[REDACTED]@db:5432/app"
+    assert rule.text("Authorization: Basic YWxhZGRpbjpvcGVuc2VzYW1l") == "Authorization: Basic [REDACTED]"
+
+
+def test_the_endpoint_stores_none_of_the_secrets(live):
+    text = "\n".join(around.format(secret) for _, around, secret in SECRETS)
+    response = live.http.post(f"{live.url}/v1/chat/completions", timeout=120,
+                              json={**CHAT, "messages": [{"role": "user", "content": text}]})
+    assert response.status_code == 200, response.text
+    stored = _trace(live, response.headers[TRACE_HEADER])["request"]
+    content = json.loads(stored)["messages"][0]["content"]
+    assert [what for what, _, secret in SECRETS if secret in content] == []
+    assert content.count("[REDACTED]") >= len(SECRETS)
