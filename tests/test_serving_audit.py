@@ -232,3 +232,19 @@ def test_the_endpoint_stores_none_of_the_secrets(live):
     content = json.loads(stored)["messages"][0]["content"]
     assert [what for what, _, secret in SECRETS if secret in content] == []
     assert content.count("[REDACTED]") >= len(SECRETS)
+
+
+def test_a_request_may_name_only_the_campaign_s_environments(live):
+    """Naming 'code' on a calculator campaign would have the endpoint run the client's own tests in its sandbox."""
+    task = {"env": "code", "problem": {"prompt": "double x", "tests": ["assert double(2) == 4"]}}
+    response = live.http.post(f"{live.url}/v1/chat/completions", timeout=120, json={**CHAT, "evertrain": task})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unknown_env" and error["param"] == "evertrain.env"
+    assert "'code'" in error["message"] and "calculator" in error["message"]
+    assert _trace(live, response.headers[TRACE_HEADER])["http_status"] == 400
+    assert "code" not in live.endpoint._envs  # never built, so its grader never ran
+    # the campaign's own environment is still taken
+    ok = live.http.post(f"{live.url}/v1/chat/completions", timeout=120, json={**CHAT, "evertrain": {
+        "env": "calculator", "problem": {"question": "What is 2 + 2?", "answer": "4"}}})
+    assert ok.status_code == 200, ok.text

@@ -433,7 +433,8 @@ class Endpoint:
                            env=env, problem=problem)
 
     def _task(self, extra: Any, draft: Draft) -> tuple[Environment | None, Problem | None]:
-        """The task the client named (extra body field ``evertrain``), for the verified outcome."""
+        """The task the client named (extra body field ``evertrain``), for the verified outcome: one of the
+        campaign's environments only (another's grader would run what the client sent, e.g. its tests)."""
         if extra is None:
             return None, None
         if not isinstance(extra, dict):
@@ -442,6 +443,11 @@ class Endpoint:
         name = extra.get("env")
         if not isinstance(name, str):
             raise ApiError(400, "'evertrain.env' must name an environment", code="invalid_evertrain",
+                           param="evertrain.env")
+        campaign = [spec.name for spec in self.config.environments]
+        if name not in campaign:  # another environment's grader would run code the client chose (its tests, ...)
+            raise ApiError(400, f"unknown environment {name!r}: campaign {self.config.name!r} has "
+                           f"{', '.join(campaign)}; a request may name only these", code="unknown_env",
                            param="evertrain.env")
         from evertrain.envs.registry import UnknownEnvironment
 
