@@ -6,6 +6,7 @@ OpenAI-style JSON 4xx, never a 500, and is traced. The real endpoint (uvicorn, t
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -248,3 +249,45 @@ def test_a_request_may_name_only_the_campaign_s_environments(live):
     ok = live.http.post(f"{live.url}/v1/chat/completions", timeout=120, json={**CHAT, "evertrain": {
         "env": "calculator", "problem": {"question": "What is 2 + 2?", "answer": "4"}}})
     assert ok.status_code == 200, ok.text
+
+
+def test_code_the_endpoint_grades_is_audited_in_sandbox_runs(tmp_path, models_dir):
+    """A named code task: the answer runs in the sandbox (candidate and tests), and each process is a
+    sandbox_runs row (purpose endpoint:...), named by the verdict, as the score stage's runs are."""
+    path = tmp_path / "problems.jsonl"
+    path.write_text(json.dumps({"prompt": "Write double(x).", "tests": ["assert double(2) == 4"]}) + "\n")
+    config = smoke_config_in(tmp_path, models_dir, name="graded",
+                             environments=[{"name": "code", "weight": 1, "options": {"path": str(path)}}],
+                             model={"rollout_dtype": "float32"}, torch_threads=1,
+                             serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2})
+    rt = Runtime.open(config)
+    rt.ensure_started()
+    try:
+        with EndpointServer(config, port=0, store=rt.store) as server, \
+                httpx.Client(headers=bearer(api_key(rt.store, "infer,feedback"))) as http:
+            task = {"env": "code", "problem": {"prompt": "Write double(x).", "tests": ["assert double(2) == 4"]}}
+            response = http.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+                "model": "graded", "messages": [{"role": "user", "content": "Write double(x)."}], "max_tokens": 4,
+                "evertrain": task})
+            assert response.status_code == 200, response.text
+            trace_id = response.headers[TRACE_HEADER]
+            assert response.json()["choices"][0]["message"]["content"].strip()  # something to run
+            server.endpoint.graders.submit(lambda: None).result(timeout=120)  # the grade is done (2 workers)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                assert server.endpoint.writer.flush(60)
+                verdicts = rt.store.query("SELECT detail FROM trace_feedback WHERE trace_id = ?", [trace_id])
+                if len(verdicts):
+                    break
+                time.sleep(0.2)
+            assert len(verdicts) == 1, "the answer was never graded"
+            detail = json.loads(verdicts["detail"].iloc[0])
+            assert "sandbox_runs" not in detail and len(detail["sandbox_run_ids"]) == 2, detail
+            # (the campaign's start validated the environment: its own runs, iteration 0)
+            runs = rt.store.query("SELECT run_id, campaign, iteration, purpose FROM sandbox_runs "
+                                  "WHERE purpose LIKE 'endpoint:%'")
+            assert sorted(runs["purpose"]) == ["endpoint:candidate", "endpoint:tests"]
+            assert set(runs["run_id"]) == set(detail["sandbox_run_ids"])
+            assert set(runs["campaign"]) == {"graded"} and runs["iteration"].isna().all()
+    finally:
+        rt.close()

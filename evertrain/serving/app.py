@@ -645,8 +645,17 @@ class Endpoint:
                 verdict = env.verify_transcript(problem, turns)
             else:
                 verdict = env.verify(problem, answer)
-            row = feedback_row(trace_id, self.config.name, "verifier", verdict.passed, verdict.reward,
-                               {"reason": verdict.reason, **self.redactor.value(verdict.detail)})
+            # the grader's sandboxed processes: audited in sandbox_runs as the score stage's are (purpose
+            # "endpoint:<what ran>", no iteration), the verdict naming their run ids
+            runs = list(verdict.detail.pop("sandbox_runs", None) or [])
+            detail = {"reason": verdict.reason, **self.redactor.value(verdict.detail)}
+            if runs:
+                detail["sandbox_run_ids"] = [run.get("run_id") for run in runs]
+            row = feedback_row(trace_id, self.config.name, "verifier", verdict.passed, verdict.reward, detail)
+            if self.writer is not None:
+                for run in runs:
+                    self.writer.add_sandbox_run({**run, "campaign": self.config.name, "iteration": None,
+                                                 "purpose": f"endpoint:{run.get('purpose')}"})
         except Exception as error:  # a verifier must not raise on an answer; if one does, say so as the outcome
             row = feedback_row(trace_id, self.config.name, "verifier", False, 0.0,
                                {"reason": "verifier_error", "error": self.redactor.text(str(error))[:500]})

@@ -40,7 +40,10 @@ TRACE_COLUMNS = ("trace_id", "campaign", "model_version", "model", "env", "probl
                  "response", "tool_calls", "tools", "status", "http_status", "error", "finish_reason", "latency_ms",
                  "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd", "created_at", "key_id")
 FEEDBACK_COLUMNS = ("trace_id", "campaign", "source", "passed", "reward", "detail", "created_at")
-JSON_COLUMNS = frozenset({"problem", "request", "response", "tool_calls", "detail"})  # JSON text, not plain text
+SANDBOX_COLUMNS = ("run_id", "campaign", "iteration", "purpose", "code_sha256", "limits", "exit_code", "signal",
+                   "wall_s", "cpu_s", "peak_rss_kb", "stdout_bytes", "stderr_bytes", "limit_hit", "started_at")
+# JSON text, not plain text
+JSON_COLUMNS = frozenset({"problem", "request", "response", "tool_calls", "detail", "limits"})
 
 
 def request_cost(config: CampaignConfig, *, computed_tokens: int, cached_tokens: int, forward_seconds: float,
@@ -63,7 +66,7 @@ def failed_rows_path(store: Store) -> Path | None:
 
 
 class TraceWriter:
-    """A background thread that commits queued trace and feedback rows to the store in batches."""
+    """A background thread that commits queued trace, feedback and sandbox audit rows to the store in batches."""
 
     def __init__(self, store: Store, *, batch_rows: int = 256, flush_seconds: float = 1.0,
                  compact_seconds: float = 300.0, compact_keep_seconds: float = 600.0,
@@ -73,7 +76,7 @@ class TraceWriter:
         self.batch_rows, self.flush_seconds = batch_rows, flush_seconds
         self.compact_seconds, self.compact_keep_seconds = compact_seconds, compact_keep_seconds
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self._pending: dict[str, list[dict[str, Any]]] = {"traces": [], "trace_feedback": []}
+        self._pending: dict[str, list[dict[str, Any]]] = {"traces": [], "trace_feedback": [], "sandbox_runs": []}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle = threading.Condition()
@@ -90,6 +93,10 @@ class TraceWriter:
 
     def add_feedback(self, row: dict[str, Any]) -> None:
         self._put("trace_feedback", {c: row.get(c) for c in FEEDBACK_COLUMNS})
+
+    def add_sandbox_run(self, row: dict[str, Any]) -> None:
+        """An audit row of a sandboxed process the endpoint ran (its verifiers' graders)."""
+        self._put("sandbox_runs", {c: row.get(c) for c in SANDBOX_COLUMNS})
 
     def _put(self, table: str, row: dict[str, Any]) -> None:
         row = {k: storable(v, json_text=k in JSON_COLUMNS) if isinstance(v, str) else v for k, v in row.items()}
@@ -200,8 +207,8 @@ class TraceWriter:
     def _quarantine(self, table: str, refused: list[tuple[dict[str, Any], str]]) -> None:
         for row, error in refused:
             self.failed_rows += 1
-            log.error("trace writer: the store refused %s row %s alone (%s); kept in %s", table, row.get("trace_id"),
-                      error, self.failed_path or "the log only")
+            log.error("trace writer: the store refused %s row %s alone (%s); kept in %s", table,
+                      row.get("trace_id") or row.get("run_id"), error, self.failed_path or "the log only")
             if self.failed_path is None:
                 log.error("trace writer: refused row: %s", json.dumps(row, default=str, ensure_ascii=True))
                 continue
