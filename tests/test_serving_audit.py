@@ -93,6 +93,26 @@ def test_a_row_the_store_refuses_is_set_aside_and_the_batch_written(tmp_path):
         store.close()
 
 
+
+def test_when_the_store_takes_nothing_the_rows_stay_queued_then_go_to_the_file_at_close(tmp_path):
+    """A store that refuses every write (read-only here; down, in life) sets no row aside as bad: the rows wait,
+    and those still unwritten when the writer closes are kept in the failed-row file, not lost."""
+    Store(store_uri(tmp_path)).close()
+    store = Store(store_uri(tmp_path), read_only=True)
+    failed = tmp_path / "failed.jsonl"
+    writer = TraceWriter(store, batch_rows=1000, flush_seconds=0.05, failed_path=failed)
+    try:
+        for i in range(5):
+            writer.add_trace({"trace_id": f"t{i}", "campaign": "c", "status": "ok", "created_at": now()})
+        assert not writer.flush(1.5) and writer.backlog() == 5
+        assert writer.errors >= 2 and writer.failed_rows == 0 and not failed.exists()
+    finally:
+        writer.close(timeout=1)
+        store.close()
+    kept = [json.loads(line) for line in failed.read_text().splitlines()]
+    assert sorted(k["row"]["trace_id"] for k in kept) == [f"t{i}" for i in range(5)]
+    assert {k["error"] for k in kept} == {"not written when the writer closed"} and writer.failed_rows == 5
+
 DEEP = b"[" * 100_000 + b"]" * 100_000
 MALFORMED = [
     b"", b"null", b"[]", b"42", b'"text"', b"{", b"{'model': 1}", b"\xff\xfe", b"\x00", DEEP,
