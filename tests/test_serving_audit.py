@@ -88,6 +88,13 @@ def test_a_row_the_store_refuses_is_set_aside_and_the_batch_written(tmp_path):
         assert [k["row"]["trace_id"] for k in kept] == ["t4"] and kept[0]["table"] == "traces" and kept[0]["error"]
         assert {json.loads(text)["text"] for text in store.query("SELECT request FROM traces")["request"]} == {
             "surrogate \\ud800 escaped"}
+        # a run of bad rows at the head of a batch: they go last until the good ones are written, then aside
+        for i in range(10, 26):
+            writer.add_trace(row(i, "bad" if i < 15 else float(i)))
+        assert writer.flush(30), f"stuck with {writer.backlog()} rows"
+        ids = set(store.query("SELECT trace_id FROM traces")["trace_id"])
+        assert ids >= {f"t{i}" for i in range(15, 26)} and not ids & {f"t{i}" for i in range(10, 15)}
+        assert writer.failed_rows == 6 and len(failed.read_text().splitlines()) == 6
     finally:
         writer.close()
         store.close()

@@ -13,7 +13,8 @@ surrogate, which UTF-8 cannot encode, is kept as the text of its escape, ``\\udX
 that fail alone are found. When any other row of that commit was written (so the store itself works), those
 rows are set aside: counted (``failed_rows``), logged with their trace id, and appended to the failed-row
 file (JSON lines, ``<store>.trace_failures.jsonl`` beside a local store) instead of being dropped. When
-nothing could be written (the store is down), everything stays queued; rows still unwritten when the writer
+nothing could be written (the store is down), everything stays queued, the rows refused alone moved
+last (so a run of bad rows cannot hide the good ones behind it); rows still unwritten when the writer
 closes go to that file too.
 """
 
@@ -167,6 +168,9 @@ class TraceWriter:
                     done |= {id(row) for row, _ in refused}
                     self._quarantine(table, refused)
                 rows[:] = [row for row in rows if id(row) not in done]  # the rest stays queued, tried again
+                if not written:  # the rows refused alone go last, so a run of bad rows cannot hide good ones
+                    last = {id(row) for row, _ in refused}
+                    rows[:] = [row for row in rows if id(row) not in last] + [row for row, _ in refused]
                 self.commits += 1 if written else 0
                 self.rows_written += len(written)
                 continue
