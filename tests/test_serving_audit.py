@@ -316,5 +316,12 @@ def test_code_the_endpoint_grades_is_audited_in_sandbox_runs(tmp_path, models_di
             assert sorted(runs["purpose"]) == ["endpoint:candidate", "endpoint:tests"]
             assert set(runs["run_id"]) == set(detail["sandbox_run_ids"])
             assert set(runs["campaign"]) == {"graded"} and runs["iteration"].isna().all()
+            # what escapes a handler (here the store gone from under /feedback's look-up) is a JSON 500, counted
+            assert server.endpoint.writer.flush(60)
+            rt.store.con.close()
+            broken = http.post(f"{server.url}/feedback", timeout=60, json={"trace_id": "chatcmpl-unknown",
+                                                                          "passed": True})
+            assert broken.status_code == 500, broken.text
+            assert broken.json()["error"]["code"] == "internal_error" and server.endpoint.internal_errors == 1
     finally:
         rt.close()
