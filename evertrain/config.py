@@ -457,8 +457,11 @@ class RedactionConfig(_Strict):
     """What the endpoint removes from requests and responses before a trace is stored (nothing unredacted is kept)."""
 
     secrets: bool = Field(
-        True, description="Redact secrets: 'sk-...' API keys, GitHub/AWS/Slack tokens, 'Bearer ...' headers, private "
-        "key blocks, and the value after 'password', 'passwd', 'api_key', 'secret' or 'token' followed by ':' or '='.")
+        True, description="Redact secrets: API keys and tokens (OpenAI-style 'sk-...', GitHub, GitLab, Hugging Face, "
+        "npm, Stripe, SendGrid, Twilio, AWS, Slack, Google), Slack webhooks, JWTs, 'Bearer ...' and 'Basic ...' "
+        "credentials, a URL's password, payment card numbers (when they pass the Luhn check), private key blocks, "
+        "and the value after 'password', 'passwd', 'api_key', 'secret', 'token', 'AccountKey' and the like followed "
+        "by ':' or '='.")
     emails: bool = Field(True, description="Redact e-mail addresses.")
     patterns: list[str] = Field(
         default_factory=list, description="More regular expressions (Python syntax) to redact, e.g. "

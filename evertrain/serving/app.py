@@ -62,6 +62,7 @@ MODEL_HEADER = "x-evertrain-model-version"
 TRACE_HEADER = "x-evertrain-trace-id"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 8
+MAX_JSON_DEPTH = 64  # nesting a request body may have (a chat request needs about 8; tool schemas a few more)
 RETRY_MAX_SECONDS = 300.0  # the longest a champion whose load failed waits before it is tried again
 
 
@@ -295,6 +296,7 @@ class Endpoint:
         self._envs: dict[str, Environment] = {}
         self._env_lock = threading.Lock()
         self.requests = 0
+        self.internal_errors = 0  # requests answered 500 or whose trace could not be built: each logged
         self._metrics_run: str | None = None
         self._metrics_step = 0
         self._stop_metrics = threading.Event()
@@ -427,11 +429,12 @@ class Endpoint:
                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0), n=self._n(body),
                            seed=_optional_int(body, "seed"), stop=_stop(body.get("stop")),
                            stream=bool(body.get("stream", False)),
-                           include_usage=bool((body.get("stream_options") or {}).get("include_usage", False)),
+                           include_usage=_include_usage(body.get("stream_options")),
                            env=env, problem=problem)
 
     def _task(self, extra: Any, draft: Draft) -> tuple[Environment | None, Problem | None]:
-        """The task the client named (extra body field ``evertrain``), for the verified outcome."""
+        """The task the client named (extra body field ``evertrain``), for the verified outcome: one of the
+        campaign's environments only (another's grader would run what the client sent, e.g. its tests)."""
         if extra is None:
             return None, None
         if not isinstance(extra, dict):
@@ -440,6 +443,11 @@ class Endpoint:
         name = extra.get("env")
         if not isinstance(name, str):
             raise ApiError(400, "'evertrain.env' must name an environment", code="invalid_evertrain",
+                           param="evertrain.env")
+        campaign = [spec.name for spec in self.config.environments]
+        if name not in campaign:  # another environment's grader would run code the client chose (its tests, ...)
+            raise ApiError(400, f"unknown environment {name!r}: campaign {self.config.name!r} has "
+                           f"{', '.join(campaign)}; a request may name only these", code="unknown_env",
                            param="evertrain.env")
         from evertrain.envs.registry import UnknownEnvironment
 
@@ -455,7 +463,7 @@ class Endpoint:
             return env, None
         try:
             problem = env.parse_problem(data)
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
             raise ApiError(400, f"'evertrain.problem' is not a {name} problem: {error}", code="invalid_problem",
                            param="evertrain.problem") from None
         draft.problem, draft.problem_id = data, problem.id
@@ -478,7 +486,8 @@ class Endpoint:
                            code="invalid_tools", param="tools")
         names = []
         for i, tool in enumerate(declared or []):
-            name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+            function = tool.get("function") if isinstance(tool, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
             if not isinstance(name, str):
                 raise ApiError(400, f"tools[{i}] names no function", code="invalid_tools", param=f"tools[{i}]")
             if name not in known:
@@ -506,7 +515,11 @@ class Endpoint:
             role = "system" if message["role"] == "developer" else message["role"]
             content = _text(message.get("content"), where)
             if role == "assistant":
-                for call in message.get("tool_calls") or []:
+                calls = message.get("tool_calls") or []
+                if not isinstance(calls, list):
+                    raise ApiError(400, f"{where}.tool_calls must be a list", code="invalid_messages",
+                                   param=f"{where}.tool_calls")
+                for call in calls:
                     name, code = _client_call(call, where)
                     if name not in known:
                         raise ApiError(400, f"{where} calls unknown tool {name!r}: the model was trained to call "
@@ -515,7 +528,11 @@ class Endpoint:
                     draft.tool_calls.append({"name": name, "input": code, "from": "request"})
                     draft.tools.add(name)
             elif role == "tool":  # as the rollout formats tool output: trimmed, cut at 500 characters, defused
-                content = format_tool_result(message.get("name") or "tool", ToolResult(output=content))
+                name = message.get("name") or "tool"
+                if not isinstance(name, str):
+                    raise ApiError(400, f"{where}.name must be a string", code="invalid_messages",
+                                   param=f"{where}.name")
+                content = format_tool_result(name, ToolResult(output=content))
                 if draft.tool_calls:
                     draft.tool_calls[-1].setdefault("result", content)
             messages.append({"role": role, "content": content})
@@ -628,13 +645,38 @@ class Endpoint:
                 verdict = env.verify_transcript(problem, turns)
             else:
                 verdict = env.verify(problem, answer)
-            row = feedback_row(trace_id, self.config.name, "verifier", verdict.passed, verdict.reward,
-                               {"reason": verdict.reason, **self.redactor.value(verdict.detail)})
+            # the grader's sandboxed processes: audited in sandbox_runs as the score stage's are (purpose
+            # "endpoint:<what ran>", no iteration), the verdict naming their run ids
+            runs = list(verdict.detail.pop("sandbox_runs", None) or [])
+            detail = {"reason": verdict.reason, **self.redactor.value(verdict.detail)}
+            if runs:
+                detail["sandbox_run_ids"] = [run.get("run_id") for run in runs]
+            row = feedback_row(trace_id, self.config.name, "verifier", verdict.passed, verdict.reward, detail)
+            if self.writer is not None:
+                for run in runs:
+                    self.writer.add_sandbox_run({**run, "campaign": self.config.name, "iteration": None,
+                                                 "purpose": f"endpoint:{run.get('purpose')}"})
         except Exception as error:  # a verifier must not raise on an answer; if one does, say so as the outcome
             row = feedback_row(trace_id, self.config.name, "verifier", False, 0.0,
                                {"reason": "verifier_error", "error": self.redactor.text(str(error))[:500]})
         if self.writer is not None:
             self.writer.add_feedback(row)
+
+    def record_failure(self, draft: Draft, error: BaseException) -> None:
+        """The trace of a request whose full trace could not be built: what is known, and why (logged too)."""
+        self.internal_errors += 1
+        log.error("endpoint: the trace of request %s could not be built (%s: %s); a short one is stored",
+                  draft.trace_id, type(error).__name__, error)
+        if self.writer is None:
+            return
+        served = draft.served
+        self.writer.add_trace({
+            "trace_id": draft.trace_id, "campaign": self.config.name,
+            "model_version": None if served is None else served.version,
+            "model": None if served is None else served.name, "env": draft.env, "status": "error",
+            "http_status": draft.http_status, "error": f"trace_failed: {type(error).__name__}; request "
+            f"{draft.error or 'answered'}"[:2000], "latency_ms": (time.perf_counter() - draft.started) * 1000,
+            "created_at": now(), "key_id": draft.key_id})
 
     def record(self, draft: Draft) -> None:
         """Queue the trace of one request, redacted (the rule runs here, before anything is queued)."""
@@ -681,6 +723,15 @@ def _optional_int(body: dict[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{key}' must be an integer, not {value!r}", code="invalid_value", param=key)
     return value & 0x7FFFFFFF
+
+
+def _include_usage(options: Any) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}",
+                       code="invalid_value", param="stream_options")
+    return bool(options.get("include_usage", False))
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -738,6 +789,53 @@ def _client_call(call: Any, where: str) -> tuple[str, str]:
 FEEDBACK_BYTES = 64 * 1024  # a feedback body is a trace id, a verdict and a short detail
 
 
+def _json_body(raw: bytes, draft: Draft | None = None) -> Any:
+    """The parsed body, or an :class:`ApiError` (400) for anything that is not JSON the endpoint can keep: not
+    JSON, numbers Python will not convert, nesting deeper than ``MAX_JSON_DEPTH``, an unpaired surrogate in a
+    string (``"\\ud800"``: no text to tokenize, no UTF-8 to store). The draft keeps the body, or its first 4000
+    characters when it cannot keep the body itself (not JSON, too deep)."""
+    def malformed(message: str, code: str, param: str | None = None) -> ApiError:
+        if draft is not None:
+            draft.request = {"malformed_body": raw[:4000].decode("utf-8", "replace")}
+        return ApiError(400, message, code=code, param=param)
+
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise malformed(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise malformed(f"the request body is not valid JSON: {error}", "invalid_json") from None
+    if draft is not None:  # stored as parsed (an unpaired surrogate as its escape: TraceWriter)
+        draft.request = body
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise malformed(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _unpaired(key):
+                    raise ApiError(400, f"a key in {where or 'the body'} has an unpaired UTF-16 surrogate: text must "
+                                   "be valid Unicode", code="invalid_unicode", param=where or None)
+                stack.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str) and _unpaired(value):
+            raise ApiError(400, f"{where or 'the body'} has an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape "
+                           "that is not half of a pair): text must be valid Unicode", code="invalid_unicode",
+                           param=where or None)
+    return body
+
+
+def _unpaired(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (UTF-8 cannot encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 async def _bounded_body(request: Any, limit: int) -> tuple[bytes | None, int]:
     """The request body, read chunk by chunk and abandoned once it passes ``limit`` bytes (a declared
     Content-Length above it is refused unread; a chunked body cannot exhaust memory): (body, size), or
@@ -783,6 +881,14 @@ def create_app(endpoint: Endpoint) -> Any:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
         return JSONResponse(ApiError(error.status_code, str(error.detail), code=code).body(), error.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        # what escaped a handler: an OpenAI-style 500 (not Starlette's plain text), counted and logged
+        endpoint.internal_errors += 1
+        log.error("endpoint: %s %s failed: %s: %s", request.method, request.url.path, type(error).__name__, error)
+        return JSONResponse(ApiError(500, f"the endpoint failed: {type(error).__name__}", code="internal_error",
+                                     kind="server_error").body(), 500)
+
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
         served = endpoint.champion.current
@@ -792,6 +898,8 @@ def create_app(endpoint: Endpoint) -> Any:
         return {"status": "ok" if served else "loading", "model": served and served.name,
                 "version": served and served.version, "requests": endpoint.requests,
                 "trace_backlog": endpoint.writer.backlog() if endpoint.writer else 0,
+                "trace_failed_rows": endpoint.writer.failed_rows if endpoint.writer else 0,
+                "internal_errors": endpoint.internal_errors,
                 "watcher_error": endpoint.champion.last_error if private else None}
 
     @app.get("/v1/models")
@@ -816,11 +924,7 @@ def create_app(endpoint: Endpoint) -> Any:
                 draft.request = {"body_bytes": size}
                 raise ApiError(413, f"the request body is {size} bytes or more, above this endpoint's limit of "
                                f"{limit}", code="request_too_large")
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                draft.request = {"malformed_body": raw[:4000].decode("utf-8", "replace")}
-                raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+            body = _json_body(raw, draft)
             draft.request = body
             if draft.served is None:
                 raise ApiError(503, "the endpoint is still loading its model", code="model_loading",
@@ -851,7 +955,10 @@ def create_app(endpoint: Endpoint) -> Any:
             # redaction runs every rule over the whole request and response: on a large body (or a costly
             # user pattern) that is CPU time no other request should wait for. anyio does not abandon the
             # thread when the request is cancelled (a client hanging up), so the trace is still queued
-            await run_in_threadpool(endpoint.record, draft)
+            try:
+                await run_in_threadpool(endpoint.record, draft)
+            except Exception as error:  # never a bare 500 and never a request without its trace
+                endpoint.record_failure(draft, error)
 
     @app.post("/feedback")
     async def feedback(request: Request) -> Any:
@@ -860,10 +967,7 @@ def create_app(endpoint: Endpoint) -> Any:
             if raw is None:
                 raise ApiError(413, f"the feedback body is {size} bytes or more, above {FEEDBACK_BYTES}",
                                code="request_too_large")
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+            body = _json_body(raw)
             if not isinstance(body, dict) or not isinstance(body.get("trace_id"), str) or not body["trace_id"]:
                 raise ApiError(400, "'trace_id' is required (the 'id' of a chat completion)", code="invalid_feedback",
                                param="trace_id")
