@@ -644,9 +644,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     from evertrain.tasks.promote import rollback
 
     with Runtime.open(config) as rt:
-        result = rollback(rt, args.to, reason=args.reason)
+        result = rollback(rt, args.to, reason=args.reason, allow_unpromoted=args.allow_unpromoted)
     print(f"campaign {result['campaign']!r}: champion is now v{result['champion']} (previous_champion "
-          f"v{result['previous_champion']}); the next iteration samples from v{result['trainee']}")
+          f"v{result['previous_champion']}); the next iteration samples from v{result['trainee']}; recorded as made "
+          f"by {result['actor']}" + (" (a version that was never champion)" if result["unpromoted"] else ""))
     return 0
 
 
@@ -815,6 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--campaign", required=True)
     back.add_argument("--to", type=int, help="the model version to restore (default: previous_champion)")
     back.add_argument("--reason", default="manual rollback", help="recorded in the rollbacks table")
+    back.add_argument("--allow-unpromoted", action="store_true",
+                      help="restore a version that was never champion (a challenger the gate refused); recorded")
     back.add_argument("--config", help="campaign TOML file (default: the config stored for the campaign)")
     back.add_argument("--store", help="DuckDB store to find the campaign's config in")
     back.set_defaults(func=cmd_rollback)

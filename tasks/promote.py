@@ -213,12 +213,18 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
             "z": decision["z"], **sealed}
 
 
-def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual rollback") -> dict[str, Any]:
+def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual rollback", *,
+             actor: str | None = None, allow_unpromoted: bool = False) -> dict[str, Any]:
     """Move ``champion`` back (to ``to_version``, else to ``previous_champion``) and train from it next.
 
     The champion being replaced becomes ``previous_champion``, so a rollback can itself be undone, and
-    the trainee is reset to the restored champion: the next iteration samples from it.
+    the trainee is reset to the restored champion: the next iteration samples from it. A version that was never
+    champion (a challenger the gate refused, or one never gated) is restored only with ``allow_unpromoted``;
+    the rollback records ``actor`` (default: the OS user), the machine, and whether it was such a version.
     """
+    import getpass
+    import socket
+
     current = rt.champion_version()
     target = to_version if to_version is not None else rt.previous_champion_version()
     if target is None:
@@ -228,9 +234,20 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
                          "(retention.keep_challengers): it cannot be restored")
     if target == current:
         raise StoreError(f"v{target} is already the champion of campaign {rt.campaign!r}")
-    rt.store.record_rollback(rt.campaign, current, target, reason)
+    unpromoted = not rt.store.was_champion(rt.campaign, target)
+    if unpromoted and not allow_unpromoted:
+        raise StoreError(f"v{target} of campaign {rt.campaign!r} was never champion (the gate refused it, or never "
+                         "decided on it): a rollback restores a version that was. To serve it anyway, pass "
+                         "--allow-unpromoted (recorded with your name)")
+    try:
+        who = actor or getpass.getuser()
+    except Exception:  # no login name (a container without a passwd entry)
+        who = "unknown"
+    rt.store.record_rollback(rt.campaign, current, target, reason, actor=who, host=socket.gethostname(),
+                             unpromoted=unpromoted)
     rt.tracker.project_lineage(rt.store, rt.campaign)
-    return {"campaign": rt.campaign, "champion": target, "previous_champion": current, "trainee": target}
+    return {"campaign": rt.campaign, "champion": target, "previous_champion": current, "trainee": target,
+            "actor": who, "unpromoted": unpromoted}
 
 
 @task(name="promote", cache_policy=NO_CACHE)

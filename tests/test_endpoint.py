@@ -366,7 +366,7 @@ def test_hot_swap_under_a_concurrent_client(live):
         promoted = time.monotonic()
         # the champion moved in the store (the lineage's authority), projected onto MLflow's aliases, as the
         # promote stage does when the gate passes
-        rollback(rt, to_version=2, reason="v2 promoted by hand")
+        rollback(rt, to_version=2, reason="v2 promoted by hand", allow_unpromoted=True)
         to_v2 = served_since(promoted, "live@v2")
         time.sleep(1.0)
         rolled = time.monotonic()
@@ -513,7 +513,7 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
         time.sleep(5 * config.serving.poll_seconds)
         assert server.endpoint.champion.current.version == 1 and version not in server.endpoint.champion.failed
         with caplog.at_level(logging.DEBUG, logger="evertrain.serving"):
-            rollback(rt, to_version=version, reason="a broken version made champion by hand")
+            rollback(rt, to_version=version, reason="a broken version made champion by hand", allow_unpromoted=True)
             time.sleep(12 * config.serving.poll_seconds)
             answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2)

@@ -78,7 +78,7 @@ def test_vllm_answers_names_the_version_and_the_trace_is_stored(on_vllm):
     assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
 
     # a promotion to the LoRA version: loaded into the running vLLM server (runtime LoRA API), then served
-    rollback(rt, to_version=v2, reason="the LoRA version promoted by hand")
+    rollback(rt, to_version=v2, reason="the LoRA version promoted by hand", allow_unpromoted=True)
     deadline = time.monotonic() + 300
     while True:
         answer = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": "What is 2 + 3?"}],
@@ -124,7 +124,7 @@ def test_a_full_weights_version_gets_a_vllm_server_of_its_own(on_vllm, tmp_path)
         "parent_version": 1, "created_at": now()}])
     champion = server.endpoint.champion
     before = champion.current.version
-    rollback(rt, to_version=version, reason="full weights promoted by hand")
+    rollback(rt, to_version=version, reason="full weights promoted by hand", allow_unpromoted=True)
     # while the new version's server starts, the one before is served; then the swap. The wait watches the
     # endpoint's own swap (no request): vLLM's worker spins for a second after every request it reads, so a
     # client asking every second would keep one core busy while the second server starts on the other

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from evertrain.config import PromotionConfig
-from evertrain.data.store import now
+from evertrain.data.store import StoreError, now
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from evertrain.tasks.promote import _consecutive_failures, ahead, decide, rollback
@@ -129,6 +129,11 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
                               [bad_at, bad])
     assert int(answered["n"].iloc[0]) == 6
 
+    # the challenger the gate refused cannot be served by a rollback unless that is asked for by name (issue 45)
+    with pytest.raises(StoreError, match="was never champion"):
+        rollback(rt, to_version=bad)
+    assert rt.champion_version() == champion and rt.store.query("SELECT * FROM rollbacks").empty
+
     # rollback: champion goes back to previous_champion, and the next rollout samples from it
     previous = rt.tracker.alias("previous_champion")
     result = rollback(rt)
@@ -139,7 +144,8 @@ def test_worse_challenger_is_never_promoted_and_rollback_restores(tmp_path, mode
     used = rt.store.query("SELECT DISTINCT policy_version FROM rollouts WHERE iteration = ?",
                           [bad_at + 1])["policy_version"]
     assert used.tolist() == [previous]
-    assert len(rt.store.query("SELECT * FROM rollbacks")) == 1
+    rows = rt.store.query("SELECT * FROM rollbacks")
+    assert len(rows) == 1 and rows["actor"].iloc[0] and rows["host"].iloc[0] and not rows["unpromoted"].iloc[0]
 
 
 def test_trainee_is_reset_to_the_champion_after_failed_gates(tmp_path, models_dir):

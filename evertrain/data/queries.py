@@ -306,6 +306,15 @@ class Queries:
         champion = chain[0]
         return champion, next((v for v in chain[1:] if v != champion), None)
 
+    def was_champion(self, campaign: str, version: int) -> bool:
+        """Whether ``version`` is or was the campaign's champion: its base model, a challenger the gate promoted,
+        or a version a rollback restored."""
+        if self.base_version(campaign) == version:
+            return True
+        count = self.scalar(f"SELECT count(*) FROM ({_CHAMPION_EVENTS}) WHERE v = $version",
+                            {"campaign": campaign, "version": version})
+        return bool(count)
+
     def promotions(self, campaign: str) -> pd.DataFrame:
         """Every promotion decision of the campaign (all columns)."""
         return self.query("SELECT * FROM promotions WHERE campaign = ?", [campaign])

@@ -306,14 +306,19 @@ MIGRATIONS: tuple[Migration, ...] = (
               (CreateTable(API_KEYS), CreateTable(API_KEY_EVENTS),
                AddColumn("traces", Column("key_id", "VARCHAR", "the API key the request was made with (NULL: none)")))),
     Migration(4, "approvals carry an identity: the approving key, where the answer came from, the evidence's hash; "
-                 "approval_attempts (every answer, refused ones included)",
+                 "approval_attempts (every answer, refused ones included); rollbacks record who, where, and "
+                 "whether the version had been champion",
               (AddColumn("approvals", Column("reviewer_key_id", "VARCHAR", "the API key (scope approve) that "
                                              "answered; reviewer is that key's name")),
                AddColumn("approvals", Column("answered_from", "VARCHAR", "where the answer says it came from "
                                              "(the CLI: user@host; the Prefect UI: what the form was given)")),
                AddColumn("approvals", Column("evidence_sha256", "VARCHAR", "hex SHA-256 of the evidence shown, "
                                              "which the answer had to name")),
-               CreateTable(APPROVAL_ATTEMPTS))),
+               CreateTable(APPROVAL_ATTEMPTS),
+               AddColumn("rollbacks", Column("actor", "VARCHAR", "who rolled back (the OS user of the command)")),
+               AddColumn("rollbacks", Column("host", "VARCHAR", "the machine the rollback was made on")),
+               AddColumn("rollbacks", Column("unpromoted", "BOOLEAN", "the version restored had never been "
+                                             "champion (--allow-unpromoted)")))),
 )
 LATEST = MIGRATIONS[-1].version
 BOOKKEEPING = ("schema_info", "schema_migrations")  # the schema's own tables, not the campaign's data

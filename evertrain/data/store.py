@@ -561,10 +561,13 @@ class Store(Queries):
 
         self._write(body)
 
-    def record_rollback(self, campaign: str, from_version: int, to_version: int, reason: str) -> None:
-        """A rollback of the champion to ``to_version``, which becomes the trainee too, in one transaction."""
+    def record_rollback(self, campaign: str, from_version: int, to_version: int, reason: str, *,
+                        actor: str | None = None, host: str | None = None, unpromoted: bool = False) -> None:
+        """A rollback of the champion to ``to_version``, which becomes the trainee too, in one transaction, with
+        who made it and from where."""
         row = pd.DataFrame([{"campaign": campaign, "rolled_back_at": now(), "from_version": from_version,
-                             "to_version": to_version, "reason": reason}])
+                             "to_version": to_version, "reason": reason, "actor": actor, "host": host,
+                             "unpromoted": unpromoted}])
 
         def body(con: duckdb.DuckDBPyConnection) -> None:
             _insert(con, "rollbacks", row, KEYS["rollbacks"])
