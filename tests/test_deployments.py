@@ -75,7 +75,6 @@ def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
         while _finished_runs(tmp_path, "served") < 2 and time.monotonic() < deadline:
             assert server.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
-        refused = _runs_that_break_promises(log, config)
     finally:
         # SIGTERM, a service manager's stop (Ctrl-C's SIGINT does the same from a terminal; sent from here in the
         # full suite, `serve` twice ran on for the whole minute below, was killed, and left its Prefect server)
@@ -98,50 +97,37 @@ def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
     store.close()
     assert done[:2] == [0, 1]
     assert len(flow_runs) >= 2  # each iteration came from its own scheduled flow run
-    # issue 45: a run started through Prefect's API may not change what the campaign promises
-    for run_id, (state, message) in refused.items():
-        assert state == "FAILED", (state, message)
-        assert str(run_id) not in set(flow_runs["flow_run_id"]), "a refused run ran a stage"
-    weaker_why, elsewhere_why = (message for _state, message in refused.values())
-    assert "promotion.max_regression" in weaker_why and "eval.problems_per_env" in weaker_why
-    assert "Nothing ran" in weaker_why
-    assert "has no recorded config" in elsewhere_why
-    fresh = tmp_path / "elsewhere" / "evertrain.duckdb"
-    if fresh.exists():  # opened (and claimed) before the check refused: nothing written there
-        other = Store(str(fresh), read_only=True)
-        assert other.scalar("SELECT count(*) FROM stage_runs") == 0
+
+
+def test_a_run_may_not_change_what_the_campaign_promises(tmp_path, models_dir):
+    """Issue 45: what a deployment's run checks before any stage (evertrain.promises): a laxer gate than the
+    config the operator recorded is refused, naming each change, and so is a store with no record of the campaign."""
+    from evertrain import promises
+    from evertrain.config import CampaignConfig
+
+    config = smoke_config_in(tmp_path, models_dir, name="promised")
+    promises.record(config)
+    data = config.model_dump(mode="json")
+    data["promotion"]["max_regression"] = 1.0
+    data["eval"]["problems_per_env"] = 1
+    weaker = CampaignConfig.model_validate(data)
+    store = Store(config.paths.store)
+    try:
+        promises.check(store, config)  # the recorded config itself passes
+        with pytest.raises(promises.PromiseError, match=r"promotion\.max_regression.*Nothing ran") as refused:
+            promises.check(store, weaker)
+        assert "eval.problems_per_env" in str(refused.value)
+    finally:
+        store.close()
+    data = config.model_dump(mode="json")
+    data["paths"]["store"] = str(tmp_path / "elsewhere.duckdb")
+    elsewhere = CampaignConfig.model_validate(data)
+    other = Store(elsewhere.paths.store)
+    try:
+        with pytest.raises(promises.PromiseError, match="has no recorded config"):
+            promises.check(other, elsewhere)
+    finally:
         other.close()
-
-def _runs_that_break_promises(log: Path, config_file: Path) -> dict:
-    """Start two runs of the served deployment through the Prefect API, as anyone who reaches it could: one with
-    a weaker gate, one pointed at a fresh store; wait for each to end. {flow run id: (state, message)}."""
-    from prefect import get_client
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    port = re.search(r"started a Prefect server: UI at http://127\.0\.0\.1:(\d+)", log.read_text()).group(1)
-    config = json.loads(config_file.read_text())
-    weaker = json.loads(json.dumps(config))
-    weaker["promotion"]["max_regression"] = 1.0  # a gate that lets any regression through
-    weaker["eval"]["problems_per_env"] = 1
-    elsewhere = json.loads(json.dumps(config))
-    elsewhere["paths"]["store"] = str(config_file.parent / "elsewhere" / "evertrain.duckdb")
-    (config_file.parent / "elsewhere").mkdir()
-    out = {}
-    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}):
-        runs = [run_deployment("evertrain-campaign/campaign-served", parameters={"config": c, "iterations": 1},
-                               timeout=0) for c in (weaker, elsewhere)]
-        deadline = time.monotonic() + 600
-        with get_client(sync_client=True) as client:
-            for run in runs:
-                while time.monotonic() < deadline:
-                    state = client.read_flow_run(run.id).state
-                    if state is not None and state.is_final():
-                        out[run.id] = (state.type.value, state.message or "")
-                        break
-                    time.sleep(1)
-    assert len(out) == 2, "the runs did not end in time"
-    return out
 
 
 def test_second_concurrent_run_is_refused_without_damage(tmp_path, models_dir, api_url, preloaded):
