@@ -17,8 +17,8 @@ frees the process, can only be resumed by a worker re-running a deployment).
 
 from __future__ import annotations
 
-import getpass
 import hashlib
+import logging
 import math
 import os
 import socket
@@ -32,6 +32,7 @@ from pydantic import Field, SecretStr
 from evertrain.config import ConfigError
 from evertrain.data.store import now
 
+log = logging.getLogger("evertrain.approval")
 POLL_S = 2  # how often the paused stage asks the Prefect server whether it was resumed (one small GET)
 EXAMPLES = 3  # completions of champion and challenger shown side by side
 EXAMPLE_CHARS = 400
@@ -251,9 +252,7 @@ def _authenticated_answer(rt: Any, iteration: int, flow_run_id: str, evidence: s
             "happened_at": now()}])
         if not why:
             return answer, key
-        import logging
-
-        logging.getLogger("evertrain.approval").warning(
+        log.warning(
             "iteration %d: an answer to the approval was refused (%s); still waiting", iteration, why)
         attempt += 1
 
@@ -266,9 +265,7 @@ def _forget_input(flow_run_id: str, pause_key: str) -> None:
     try:
         delete_flow_run_input(keyset_from_base_key(f"paused-{pause_key}")["response"], flow_run_id)
     except Exception as error:  # the decision stands; say the key may still be readable there
-        import logging
-
-        logging.getLogger("evertrain.approval").warning(
+        log.warning(
             "could not delete the approval answer from the Prefect server (%s): revoke the key it carried if the "
             "Prefect API is readable by others", error)
 
@@ -329,14 +326,14 @@ def answer(campaign: str, approve: bool, reason: str = "", api_key: str | None =
     from prefect.exceptions import FlowPauseTimeout, NotPausedError
     from prefect.flow_runs import resume_flow_run
 
-    from evertrain.serving.auth import ENV_VAR
+    from evertrain.serving.auth import ENV_VAR, actor_name
 
     secret = api_key or os.environ.get(ENV_VAR, "")
     if not secret:
         raise ApprovalError(f"an answer needs an API key with the 'approve' scope: set {ENV_VAR} or give "
                             "--key-file (make one with `evertrain keys create --name YOU --scopes approve`)")
     run = waiting(campaign, iteration)
-    where = answered_from or f"{getpass.getuser()}@{socket.gethostname()} (evertrain CLI)"
+    where = answered_from or f"{actor_name()}@{socket.gethostname()} (evertrain CLI)"
     try:
         resume_flow_run(run["flow_run_id"], run_input={
             "approve": approve, "api_key": secret, "evidence_sha256": evidence_digest(run["evidence"]),

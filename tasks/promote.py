@@ -222,8 +222,9 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
     champion (a challenger the gate refused, or one never gated) is restored only with ``allow_unpromoted``;
     the rollback records ``actor`` (default: the OS user), the machine, and whether it was such a version.
     """
-    import getpass
     import socket
+
+    from evertrain.serving.auth import actor_name
 
     current = rt.champion_version()
     target = to_version if to_version is not None else rt.previous_champion_version()
@@ -239,10 +240,7 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
         raise StoreError(f"v{target} of campaign {rt.campaign!r} was never champion (the gate refused it, or never "
                          "decided on it): a rollback restores a version that was. To serve it anyway, pass "
                          "--allow-unpromoted (recorded with your name)")
-    try:
-        who = actor or getpass.getuser()
-    except Exception:  # no login name (a container without a passwd entry)
-        who = "unknown"
+    who = actor_name(actor)
     rt.store.record_rollback(rt.campaign, current, target, reason, actor=who, host=socket.gethostname(),
                              unpromoted=unpromoted)
     rt.tracker.project_lineage(rt.store, rt.campaign)
