@@ -144,6 +144,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the temporary Prefect server Prefect started for this run stopped (by default SIGTERM ended the process
     # at once and left that server running without its parent)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # a second Ctrl-C stops at once, as a second SIGTERM does
+    from evertrain.flows.deploy import start_temporary_server
+
+    # without PREFECT_API_URL: Prefect's temporary server, started here and tied to this process (it dies with
+    # it, SIGKILL included, and a terminal's Ctrl-C reaches this process alone)
+    start_temporary_server()
     with Runtime.open(config) as rt:
         done = run_campaign_flow(rt, args.iterations)
         rows = [r for r in iteration_report(rt.store, config.name) if r["iteration"] in set(done)]
@@ -577,6 +583,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from evertrain.flows.deploy import start_server
 
         url, server = start_server(args.port, scheduler_seconds=min(10.0, args.interval or 10.0))
+        _SERVERS.append(server)
         os.environ["PREFECT_API_URL"] = url
         print(f"started a Prefect server: UI at {url.removesuffix('/api')}", file=sys.stderr)
     from evertrain.flows.deploy import serve
@@ -600,9 +607,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 _SIGNALLED: list[int] = []  # the signals _interrupt has turned into a KeyboardInterrupt in this process
+_SERVERS: list[Any] = []  # servers this process started that a second stop signal must stop too
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    """The first stop signal stops in order (a KeyboardInterrupt: the flow run marked, the store closed); a second
+    one stops now: the temporary Prefect server is stopped and the process exits with status 130 without
+    reporting anything more (the store is safe: its writes are transactions, a stage left 'running' is redone
+    on the next run, the campaign's claim dies with the process)."""
+    if _SIGNALLED:
+        try:
+            os.write(2, f"evertrain: a second stop signal ({signal.Signals(signum).name}): stopping now\n".encode())
+            from evertrain.flows.deploy import stop_temporary_server
+
+            stop_temporary_server()
+            from evertrain import processes
+
+            processes.stop(_SERVERS, timeout=5)  # a Prefect server `evertrain serve` started
+        finally:
+            os._exit(130)
     _SIGNALLED.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -512,6 +512,12 @@ class ServingConfig(_Strict):
         "'context_length_exceeded' error.")
     max_tokens: int = Field(
         1024, ge=1, description="Most completion tokens one request may ask for (max_tokens above it: a 400 error).")
+    requests_per_minute: int = Field(
+        6000, ge=0, description="Most requests one client (an API key, else an address) may make in any 60 s; "
+        "more get a 429 with Retry-After (0: no limit).")
+    tokens_per_minute: int = Field(
+        1_000_000, ge=0, description="Most tokens one client may ask for in any 60 s: each request counts its "
+        "max_tokens x n plus its prompt's characters / 4; more get a 429 with Retry-After (0: no limit).")
     max_request_bytes: int = Field(
         1_000_000, ge=1024, description="Largest request body accepted (bytes); larger ones get a 413 error.")
     trace: bool = Field(True, description="Store every request as a trace in the store's 'traces' table.")

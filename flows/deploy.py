@@ -3,7 +3,8 @@
 ``serve`` builds one Prefect deployment per campaign config, with an interval or cron schedule and a
 deployment concurrency limit of one (a run scheduled while the previous one still works waits in the
 queue), and serves them from this process. The Prefect UI shows each deployment with the campaign
-config as a typed form, so a person can trigger a run with changed settings. The store's per-campaign
+config as a typed form, so a person can trigger a run with changed settings (not the ones the campaign promises:
+:mod:`evertrain.promises`). The store's per-campaign
 claim stays the last line of defence: a second process that tries to run the same campaign is refused
 with a clear message before it writes anything.
 
@@ -14,6 +15,7 @@ with a clear message before it writes anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -64,6 +66,63 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
             time.sleep(1)
     processes.stop([process], signal.SIGKILL, timeout=0)
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout:.0f} s")
+
+
+def _tied_to(parent: int) -> None:
+    """``preexec_fn`` of a helper server: SIGTERM it when ``parent`` dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; SIGKILL included), and give it a session of its own, so the terminal's Ctrl-C (sent to the
+    whole foreground group) reaches the run, which stops in order, and not the server it still reports to."""
+    import ctypes
+
+    os.setsid()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above: nobody will tell us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def start_temporary_server() -> Any | None:
+    """Prefect's temporary server for a run without ``PREFECT_API_URL`` (what Prefect would start on its first API
+    call), started now and tied to this process (:func:`_tied_to`): a SIGKILLed ``evertrain run`` no longer leaves
+    it running, and a Ctrl-C no longer stops it before the run has reported its end. Prefect's own client finds and
+    uses it (one temporary server per process). None when a server is configured (``PREFECT_API_URL``, a profile)
+    or temporary servers are off. Call it from the main thread: the tie is to the thread that starts it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    server = _tied_server_class()()
+    server.start()
+    return server
+
+
+def _tied_server_class() -> type:
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    class TiedServer(SubprocessASGIServer):
+        """Prefect's SubprocessASGIServer (prefect 3.9's command, unchanged) started with :func:`_tied_to`."""
+
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                   "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+            return subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--log-level", "error", "--lifespan", "on"],
+                env=env, preexec_fn=functools.partial(_tied_to, os.getpid()))
+
+    return TiedServer
+
+
+def stop_temporary_server() -> None:
+    """Stop the temporary server this process started (a second stop signal: nothing is reported any more)."""
+    with contextlib.suppress(Exception):
+        from prefect.server.api.server import SubprocessASGIServer
+
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
 
 
 def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -288,7 +288,16 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
     fresh = {"question": "What is 123 * 456?", "answer": "56088"}
     tasks = {"fresh": fresh, "gate": {"question": gate.prompt, "answer": gate.payload["answer"]},
              "gate_payload": {"question": gate.prompt, **gate.payload},
-             "sealed": {"question": sealed.prompt, "answer": sealed.payload["answer"]}}
+             "sealed": {"question": sealed.prompt, "answer": sealed.payload["answer"]},
+             # near-copies of the gate's question (issue 45): each passed the old check and entered training
+             "gate_dot": {"question": gate.prompt + ".", "answer": gate.payload["answer"]},
+             "gate_zero_width": {"question": gate.prompt[:5] + "\u200b" + gate.prompt[5:],
+                                 "answer": gate.payload["answer"]},
+             "gate_spacing": {"question": "  " + gate.prompt.replace(" ", "   ") + " ",
+                              "answer": gate.payload["answer"]},
+             "gate_full_width": {"question": gate.prompt.translate({ord(d): 0xFF10 + int(d) for d in "0123456789"}),
+                                 "answer": gate.payload["answer"]}}
+    assert all(tasks[n]["question"] != gate.prompt for n in tasks if n.startswith("gate_") and n != "gate_payload")
     traces = {}
     for name, problem in tasks.items():
         # tool_choice none: the taught model still writes its memorized call, now as the final answer: a failure
@@ -297,8 +306,9 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
             tool_choice="none", temperature=0, max_tokens=40,
             extra_body={"evertrain": {"env": "calculator", "problem": problem}})
         traces[name] = answer.id
-    outcomes = _wait_for(server, "SELECT trace_id, passed FROM trace_feedback WHERE trace_id IN (?, ?, ?, ?)",
-                         list(traces.values()), rows=4)
+    marks = ", ".join("?" * len(traces))
+    outcomes = _wait_for(server, f"SELECT trace_id, passed FROM trace_feedback WHERE trace_id IN ({marks})",
+                         list(traces.values()), rows=len(traces))
     assert not outcomes["passed"].any()
 
     data = config.model_dump()
@@ -315,13 +325,14 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
     payload = json.loads(row.payload)
     assert row.prompt == fresh["question"] and payload["answer"] == "56088" and row.split == "train"
     assert payload["provenance"]["passed"] is False and payload["provenance"]["outcome_source"] == "verifier"
-    for name in ("gate", "gate_payload", "sealed"):
-        assert traces[name] not in provenance, name
+    for name in tasks:
+        if name != "fresh":
+            assert traces[name] not in provenance, name
     assert gate.id not in set(problems["problem_id"]) and sealed.id not in set(problems["problem_id"])
     assert not {gate.prompt, sealed.prompt} & set(problems["prompt"])
     metrics = json.loads(curating.store.query("SELECT metrics FROM stage_runs WHERE campaign = 'live' AND "
                                               "iteration = 0 AND stage = 'curate'")["metrics"].iloc[0])
-    assert metrics["dropped_trace_contaminated"] >= 3 and metrics["trace_problems"] == len(from_traces)
+    assert metrics["dropped_trace_contaminated"] >= 7 and metrics["trace_problems"] == len(from_traces)
     assert metrics["trace_failures"] >= 1
 
 

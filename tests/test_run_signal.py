@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,8 +19,11 @@ import pytest
 from tests.conftest import smoke_config_in
 
 
-def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir):
-    config = smoke_config_in(tmp_path, models_dir, name="sigterm")
+def _start_run(tmp_path, models_dir, name: str, group: bool = False,
+               ) -> tuple[subprocess.Popen, list[psutil.Process], Path]:
+    """`evertrain run` of a long campaign in a child process, once it is inside an iteration: (the process, its
+    temporary Prefect server, the log)."""
+    config = smoke_config_in(tmp_path, models_dir, name=name)
     path = tmp_path / "campaign.json"
     path.write_text(json.dumps(config.model_dump(mode="json")))
     # no Prefect server of the suite's: the run starts Prefect's temporary one, as `make demo` does
@@ -29,28 +33,80 @@ def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_d
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "run", "--config", str(path),
                                     "--iterations", "50"], cwd=tmp_path, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, start_new_session=group)
     servers: list[psutil.Process] = []
+    deadline = time.monotonic() + 240
+    while not servers and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.5)
+        if "Beginning subflow run" in log.read_text():  # the campaign is inside an iteration
+            servers = [p for p in psutil.Process(process.pid).children(recursive=True)
+                       if "uvicorn" in " ".join(p.cmdline())]
+    if not servers:
+        process.kill()
+        pytest.fail(f"no temporary Prefect server seen: {log.read_text()[-3000:]}")
+    return process, servers, log
+
+
+def _cleanup(process: subprocess.Popen, servers: list[psutil.Process]) -> None:
+    if process.poll() is None:
+        process.kill()
+    for server in servers:
+        with contextlib.suppress(psutil.Error):
+            server.kill()
+
+
+def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir):
+    process, servers, log = _start_run(tmp_path, models_dir, "sigterm")
     try:
-        deadline = time.monotonic() + 240
-        while not servers and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.5)
-            if "Beginning subflow run" in log.read_text():  # the campaign is inside an iteration
-                servers = [p for p in psutil.Process(process.pid).children(recursive=True)
-                           if "uvicorn" in " ".join(p.cmdline())]
-        assert servers, f"no temporary Prefect server seen: {log.read_text()[-3000:]}"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
         assert "interrupted" in log.read_text()
         _, alive = psutil.wait_procs(servers, timeout=20)
         assert not alive, f"the temporary Prefect server outlived evertrain run: {[p.pid for p in alive]}"
     finally:
-        if process.poll() is None:
-            process.kill()
-        for server in servers:
-            with contextlib.suppress(psutil.Error):
-                server.kill()
+        _cleanup(process, servers)
 
+
+def test_a_second_sigterm_stops_at_once(tmp_path, models_dir):
+    """Issue 45: given SIGTERM twice, `evertrain run` stopped its temporary server first and then retried reporting
+    to it for more than five minutes. The second signal now stops the server and exits."""
+    process, servers, log = _start_run(tmp_path, models_dir, "twice")
+    try:
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
+        _, alive = psutil.wait_procs(servers, timeout=20)
+        assert not alive, f"the temporary Prefect server outlived evertrain run: {[p.pid for p in alive]}"
+    finally:
+        _cleanup(process, servers)
+
+
+def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground group: it reached Prefect's temporary server too,
+    which died first, and the run then retried reporting to it. The server now has a session of its own."""
+    process, servers, log = _start_run(tmp_path, models_dir, "ctrl-c", group=True)
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+        assert "interrupted" in log.read_text()
+        _, alive = psutil.wait_procs(servers, timeout=20)
+        assert not alive, f"the temporary Prefect server outlived evertrain run: {[p.pid for p in alive]}"
+    finally:
+        _cleanup(process, servers)
+
+
+def test_a_sigkilled_run_leaves_no_prefect_server(tmp_path, models_dir):
+    """Issue 45: a SIGKILLed `evertrain run` left its temporary Prefect server running. The server is tied to the
+    run's life (Linux's parent-death signal) and goes with it."""
+    process, servers, _log = _start_run(tmp_path, models_dir, "killed")
+    try:
+        process.kill()
+        process.wait(timeout=30)
+        _, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"the temporary Prefect server outlived a SIGKILLed run: {[p.pid for p in alive]}"
+    finally:
+        _cleanup(process, servers)
 
 
 CHILD = """

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import re
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +33,22 @@ _WORD = re.compile(r"[a-z0-9]+")
 _log = logging.getLogger(__name__)
 
 
+def plain(text: str) -> str:
+    """``text`` as a reader sees it: Unicode compatibility forms folded (NFKC: full-width digits, ligatures),
+    invisible format characters dropped (zero-width spaces and joiners, bidi marks: they would split a word in
+    two), case folded. Near-copies that differ only in these compare equal."""
+    folded = unicodedata.normalize("NFKC", text)
+    return "".join(c for c in folded if unicodedata.category(c) != "Cf").casefold()
+
+
 def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
+    return _WORD.findall(plain(text))
+
+
+def normal_prompt(text: str) -> str:
+    """``text``'s words only (:func:`plain`, punctuation and spacing gone): what decides that two prompts are the
+    same question (a trailing dot, a zero-width character or doubled spaces make no new problem)."""
+    return " ".join(words(text))
 
 
 def shingles(text: str, n: int) -> set[int]:

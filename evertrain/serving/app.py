@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -53,6 +54,7 @@ from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
 from evertrain.serving import auth, guard
 from evertrain.serving.batching import Batcher, Job
+from evertrain.serving.quota import Quotas
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
 
@@ -275,6 +277,7 @@ class Endpoint:
         self.store = Store(config.paths.store) if store is None else store
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
+        self.quotas = Quotas(self.serving.requests_per_minute, self.serving.tokens_per_minute)
         # serving.auth = "keys": the keys' cache over this store, read by the app's AuthMiddleware
         self.keys = auth.KeyCache(self.store, self.serving.auth_cache_seconds) if self.serving.auth == "keys" \
             else None
@@ -899,7 +902,7 @@ def create_app(endpoint: Endpoint) -> Any:
                 "version": served and served.version, "requests": endpoint.requests,
                 "trace_backlog": endpoint.writer.backlog() if endpoint.writer else 0,
                 "trace_failed_rows": endpoint.writer.failed_rows if endpoint.writer else 0,
-                "internal_errors": endpoint.internal_errors,
+                "internal_errors": endpoint.internal_errors, "quota_refused": endpoint.quotas.refused,
                 "watcher_error": endpoint.champion.last_error if private else None}
 
     @app.get("/v1/models")
@@ -933,6 +936,20 @@ def create_app(endpoint: Endpoint) -> Any:
             # off the event loop: a stored problem's look-up and an environment's construction can block, and
             # every other request (and /health) waits while the loop does
             parsed = await run_in_threadpool(endpoint.parse, body, draft)
+            client = key.key_id if key is not None else (request.client.host if request.client else "unknown")
+            prompt_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
+            over = endpoint.quotas.admit(client, parsed.max_tokens * parsed.n + prompt_chars // 4)
+            if over is not None:
+                which, wait = over
+                limit = endpoint.serving.requests_per_minute if which == "requests" else \
+                    endpoint.serving.tokens_per_minute
+                what = "requests" if which == "requests" else "tokens (max_tokens x n + prompt characters / 4)"
+                if math.isinf(wait):
+                    raise ApiError(429, f"this request asks for more {what} than this client may use in a "
+                                   f"minute ({limit}): ask for fewer", code="rate_limit_exceeded", kind="tokens")
+                headers["retry-after"] = str(max(1, math.ceil(wait)))
+                raise ApiError(429, f"rate limit: more than {limit} {what} a minute for this client; retry in "
+                               f"{max(1, math.ceil(wait))} s", code="rate_limit_exceeded", kind=which)
             served = draft.served
             response = await asyncio.get_running_loop().run_in_executor(
                 endpoint.generator, endpoint.generate, parsed, served, draft)

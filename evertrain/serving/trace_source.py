@@ -7,8 +7,9 @@ model got wrong is what there is to learn), and ``serving.trace_success_share`` 
 ones, so training keeps problems the model already solves; either side fills what the other lacks.
 
 They pass the same gates as curated problems: a problem already taken this iteration is a duplicate, and
-one that is any environment's held-out problem (the gate's or a sealed split's, by id, by its exact
-prompt, or for natural-language data sets by a shared word n-gram) is contaminated and never trained on,
+one that is any environment's held-out problem (the gate's or a sealed split's, by id, by its prompt after
+normalisation: Unicode forms folded, invisible characters, punctuation, spacing and case ignored; or for
+natural-language data sets by a shared word n-gram) is contaminated and never trained on,
 so a client that sends the gate's questions cannot leak them into training. Only environments of the
 campaign count. Each problem keeps its id (the content hash of the task, so one problem asked by many
 clients is trained on once) and carries its provenance in its payload: ``payload["provenance"] =
@@ -29,7 +30,9 @@ from evertrain.runtime import Runtime
 
 
 def _normal(prompt: str) -> str:
-    return " ".join(prompt.lower().split())
+    from evertrain.envs.quality import normal_prompt
+
+    return normal_prompt(prompt)
 
 
 @cache

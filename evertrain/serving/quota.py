@@ -1,0 +1,62 @@
+"""Per-client quotas of the endpoint: requests and tokens a minute, each client on its own.
+
+A client is its API key (``serving.auth = "keys"``), else the address it connects from. Each request is
+counted when it is admitted, with the tokens it may cost: the completion tokens it asks for
+(``max_tokens`` × ``n``) plus its prompt's length in characters / 4 (a rough token count, known before the
+model sees it). Over ``serving.requests_per_minute`` or ``serving.tokens_per_minute`` in the last 60 seconds,
+a request gets a 429 (``rate_limit_exceeded``, OpenAI's code; the ``openai`` client raises
+``RateLimitError``) with a ``Retry-After`` header saying when the oldest counted request leaves the window.
+A refused request costs nothing and is not counted. The windows live in the endpoint's memory: each endpoint
+process counts its own clients (two endpoints behind one balancer each allow the full quota).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+WINDOW_S = 60.0
+
+
+class Quotas:
+    """Sliding one-minute windows of (time, tokens) per client (thread-safe)."""
+
+    def __init__(self, requests_per_minute: int, tokens_per_minute: int) -> None:
+        self.requests, self.tokens = requests_per_minute, tokens_per_minute
+        self._seen: dict[str, deque[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def admit(self, client: str, tokens: int, at: float | None = None) -> tuple[str, float] | None:
+        """Count a request of ``tokens`` for ``client``; or, over a quota, count nothing and return (which quota,
+        seconds until a retry can pass)."""
+        if not self.requests and not self.tokens:
+            return None
+        now = time.monotonic() if at is None else at
+        with self._lock:
+            window = self._seen.setdefault(client, deque())
+            while window and window[0][0] <= now - WINDOW_S:
+                window.popleft()
+            if self.requests and len(window) >= self.requests:
+                self.refused += 1
+                return "requests", window[0][0] + WINDOW_S - now
+            if self.tokens:
+                used = sum(t for _, t in window)
+                if used + tokens > self.tokens:
+                    self.refused += 1
+                    if tokens > self.tokens:  # never passes: say so rather than a retry time
+                        return "tokens", math.inf
+                    freed, wait = used + tokens - self.tokens, 0.0
+                    for stamp, spent in window:  # the oldest requests leave first
+                        freed -= spent
+                        wait = stamp + WINDOW_S - now
+                        if freed <= 0:
+                            break
+                    return "tokens", wait
+            window.append((now, tokens))
+            if len(self._seen) > 100_000:  # bounded: forget clients idle for a whole window
+                for name in [n for n, w in self._seen.items() if not w or w[-1][0] <= now - WINDOW_S]:
+                    del self._seen[name]
+            return None
