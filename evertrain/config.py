@@ -609,7 +609,8 @@ class DriftConfig(_Strict):
 
 
 class PathsConfig(_Strict):
-    """Where state lives. Relative paths are resolved against the working directory."""
+    """Where state lives. Relative paths belong to the project home (``$EVERTRAIN_HOME``, else the checkout the
+    command runs in or under, else the working directory)."""
 
     store: str = Field(
         default_factory=lambda: os.environ.get("EVERTRAIN_STORE", "ducklake:sqlite:data/evertrain.sqlite"),
@@ -715,22 +716,26 @@ class CampaignConfig(_Strict):
             return self.eval.max_new_tokens
         return self.generation.max_new_tokens
 
-    def resolved(self) -> CampaignConfig:
-        """A copy whose relative paths are made absolute (for runs started from another directory)."""
+    def resolved(self, base: Path | None = None) -> CampaignConfig:
+        """A copy whose relative paths are made absolute, against ``base`` (default: the working directory):
+        what a run started from another directory must be given."""
+        def absolute(value: str) -> str:
+            return str((Path(base) / value if base is not None else Path(value)).resolve())
+
         data = self.model_dump()
         for key, value in data["paths"].items():
             if key == "store":
                 from evertrain.data.store import resolve_uri
 
-                data["paths"][key] = resolve_uri(value)
+                data["paths"][key] = resolve_uri(value, base)
             elif key == "mlflow_uri":
                 if value.startswith("sqlite:///") and not value.startswith("sqlite:////"):
-                    data["paths"][key] = f"sqlite:///{Path(value.removeprefix('sqlite:///')).resolve()}"
+                    data["paths"][key] = f"sqlite:///{absolute(value.removeprefix('sqlite:///'))}"
             else:
-                data["paths"][key] = str(Path(value).resolve())
-        data["model"]["models_dir"] = str(Path(data["model"]["models_dir"]).resolve())
-        if not self.model.path.startswith("embedded:") and Path(self.model.path).exists():
-            data["model"]["path"] = str(Path(self.model.path).resolve())
+                data["paths"][key] = absolute(value)
+        data["model"]["models_dir"] = absolute(data["model"]["models_dir"])
+        if not self.model.path.startswith("embedded:") and Path(absolute(self.model.path)).exists():
+            data["model"]["path"] = absolute(self.model.path)
         return CampaignConfig.model_validate(data)
 
     @property
@@ -795,17 +800,40 @@ def apply_setting(data: dict[str, Any], setting: str) -> None:
             raise ConfigError(f"--set {setting!r}: {'.'.join(parts[:depth])} is a value, not a table")
 
 
+def project_home(start: Path | None = None) -> Path:
+    """The folder a config's relative paths (``configs/...``, ``data/``, ``mlflow/``, ``state/``) belong to:
+    ``$EVERTRAIN_HOME`` when set, else the nearest folder at or above ``start`` (default: the working directory)
+    holding the evertrain project's ``pyproject.toml`` (a notebook's kernel starts in ``notebooks/``), else
+    ``start`` itself."""
+    if os.environ.get("EVERTRAIN_HOME"):
+        return Path(os.environ["EVERTRAIN_HOME"]).expanduser().resolve()
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        pyproject = folder / "pyproject.toml"
+        try:
+            project = tomllib.loads(pyproject.read_text()).get("project", {}) if pyproject.is_file() else {}
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            continue
+        if project.get("name") == "evertrain":
+            return folder
+    return here
+
+
 def load_config(path: str | Path | None = None, settings: list[str] | None = None,
                 **overrides: Any) -> CampaignConfig:
     """Read a campaign config from TOML or JSON (the defaults when ``path`` is None), then apply overrides
     and ``settings`` (``dotted.key=value`` strings, see :func:`apply_setting`)."""
     data: dict[str, Any] = {}
     source = "(defaults)"
+    home = project_home()
     if path is not None:
         path = Path(path)
+        if not path.is_absolute() and not path.is_file() and (home / path).is_file():
+            path = home / path  # e.g. configs/demo.toml asked from notebooks/
         source = str(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            where = "" if path.is_absolute() else f" (looked in {Path.cwd()} and in the project home {home})"
+            raise ConfigError(f"config file {path} does not exist{where}")
         try:
             text = path.read_text()
             data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
@@ -817,4 +845,7 @@ def load_config(path: str | Path | None = None, settings: list[str] | None = Non
         apply_setting(data, setting)
     if settings:
         source += " with --set " + " ".join(settings)
-    return parse_config(data, source)
+    config = parse_config(data, source)
+    # relative paths of the state (data/, mlflow/, state/) belong to the project home, wherever the command
+    # or the notebook's kernel was started; at home they stay relative, as written
+    return config if home == Path.cwd().resolve() else config.resolved(home)

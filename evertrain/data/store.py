@@ -98,23 +98,28 @@ class StoreLocation:
     data_path: str = ""
 
     @classmethod
-    def parse(cls, uri: str | Path) -> StoreLocation:
+    def parse(cls, uri: str | Path, base: Path | None = None) -> StoreLocation:
+        """Parse ``uri``; relative paths in it are taken relative to ``base`` (default: the working directory)."""
         text = str(uri)
+
+        def absolute(path: str) -> str:
+            return str((Path(base) / path if base is not None else Path(path)).resolve())
+
         if not text.startswith("ducklake:"):
-            return cls("duckdb", target=str(Path(text).resolve()))
+            return cls("duckdb", target=absolute(text))
         rest, _, data_path = text.removeprefix("ducklake:").partition("?data_path=")
         catalog, _, target = rest.partition(":")
         if catalog == "sqlite":
             if not target:
                 raise StoreError(f"store URI {text!r} names no SQLite catalog file: ducklake:sqlite:<file>")
-            target = str(Path(target).resolve())
-            data_path = str(Path(data_path).resolve()) if data_path else str(Path(target).with_suffix(".files"))
+            target = absolute(target)
+            data_path = absolute(data_path) if data_path else str(Path(target).with_suffix(".files"))
         elif catalog == "postgres":
             if not data_path:
                 raise StoreError(f"store URI {text!r} has no data path: a Postgres catalog is shared by machines, "
                                  "so name a folder they all see, e.g. '...?data_path=/shared/evertrain-lake/'")
             if "://" not in data_path:
-                data_path = str(Path(data_path).resolve())
+                data_path = absolute(data_path)
         else:
             raise StoreError(f"store URI {text!r}: the catalog must be 'sqlite' or 'postgres' "
                              "(ducklake:sqlite:<file> or ducklake:postgres:<connection string>?data_path=<folder>)")
@@ -142,9 +147,9 @@ class StoreLocation:
         return True
 
 
-def resolve_uri(uri: str | Path) -> str:
-    """``uri`` with its relative paths made absolute."""
-    return StoreLocation.parse(uri).uri
+def resolve_uri(uri: str | Path, base: Path | None = None) -> str:
+    """``uri`` with its relative paths made absolute (against ``base``, default: the working directory)."""
+    return StoreLocation.parse(uri, base).uri
 
 
 def _hide_password(conninfo: str) -> str:
