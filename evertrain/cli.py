@@ -728,35 +728,43 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    import functools
     import signal
     import subprocess
     import time
 
-    from evertrain.config import PathsConfig
+    from evertrain import processes
+    from evertrain.config import load_config
 
-    paths = PathsConfig()
+    paths = load_config(None).paths  # the defaults, anchored to the project home
     Path(paths.mlflow_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     bin_dir = Path(sys.executable).parent
     prefect_env = {**os.environ, **prefect_ui_env(args.host, args.prefect_port)}
+    # each server in a session of its own, tied to this process: a SIGKILLed `evertrain ui` leaves neither behind
+    tied = functools.partial(processes.tied_to, os.getpid())
     procs = [
         subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", args.host,
-                          "--port", str(args.prefect_port)], env=prefect_env),
+                          "--port", str(args.prefect_port)], env=prefect_env, preexec_fn=tied),
         subprocess.Popen([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", paths.mlflow_uri,
                           "--default-artifact-root", Path(paths.artifacts).resolve().as_uri(),
-                          "--host", args.host, "--port", str(args.mlflow_port)]),
+                          "--host", args.host, "--port", str(args.mlflow_port)], preexec_fn=tied),
     ]
-    time.sleep(2)
-    print(f"\nPrefect UI: http://{args.host}:{args.prefect_port}\nMLflow UI:  http://{args.host}:{args.mlflow_port}\n"
-          "Ctrl-C stops both.", flush=True)
+
+    def _stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (a service manager, `kill`) stops both servers, as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
+        time.sleep(2)
+        print(f"\nPrefect UI: http://{args.host}:{args.prefect_port}\nMLflow UI:  http://{args.host}:{args.mlflow_port}\n"
+              "Ctrl-C (or SIGTERM) stops both.", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
     except KeyboardInterrupt:
         pass
-    for p in procs:
-        p.send_signal(signal.SIGINT)
-    for p in procs:
-        p.wait(timeout=20)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal does not cut the stop short
+        processes.stop(procs, first=signal.SIGINT, timeout=20)
     return 0
 
 

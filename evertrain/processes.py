@@ -80,3 +80,16 @@ def stop(processes: Iterable[Process], first: int = signal.SIGTERM, timeout: flo
         else:
             alive(process)  # reaps it if it is this process's child
     return killed
+
+
+def tied_to(parent: int) -> None:
+    """``preexec_fn`` of a helper server: SIGTERM it when ``parent`` dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; SIGKILL included), and give it a session of its own, so the terminal's Ctrl-C (sent to the
+    whole foreground group) reaches the run, which stops in order, and not the server it still reports to."""
+    import ctypes
+
+    os.setsid()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above: nobody will tell us
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -68,22 +68,9 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
     raise RuntimeError(f"the Prefect server did not answer on {url} within {timeout:.0f} s")
 
 
-def _tied_to(parent: int) -> None:
-    """``preexec_fn`` of a helper server: SIGTERM it when ``parent`` dies, however it dies (Linux's
-    PR_SET_PDEATHSIG; SIGKILL included), and give it a session of its own, so the terminal's Ctrl-C (sent to the
-    whole foreground group) reaches the run, which stops in order, and not the server it still reports to."""
-    import ctypes
-
-    os.setsid()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the line above: nobody will tell us
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def start_temporary_server() -> Any | None:
     """Prefect's temporary server for a run without ``PREFECT_API_URL`` (what Prefect would start on its first API
-    call), started now and tied to this process (:func:`_tied_to`): a SIGKILLed ``evertrain run`` no longer leaves
+    call), started now and tied to this process: a SIGKILLed ``evertrain run`` no longer leaves
     it running, and a Ctrl-C no longer stops it before the run has reported its end. Prefect's own client finds and
     uses it (one temporary server per process). None when a server is configured (``PREFECT_API_URL``, a profile)
     or temporary servers are off. Call it from the main thread: the tie is to the thread that starts it."""
@@ -102,7 +89,7 @@ def _tied_server_class() -> type:
     from prefect.settings import get_current_settings
 
     class TiedServer(SubprocessASGIServer):
-        """Prefect's SubprocessASGIServer (prefect 3.9's command, unchanged) started with :func:`_tied_to`."""
+        """Prefect's SubprocessASGIServer (prefect 3.9's command, unchanged) started with :func:`processes.tied_to`."""
 
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
             env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
@@ -111,7 +98,7 @@ def _tied_server_class() -> type:
                 [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
                  "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
                  "--log-level", "error", "--lifespan", "on"],
-                env=env, preexec_fn=functools.partial(_tied_to, os.getpid()))
+                env=env, preexec_fn=functools.partial(processes.tied_to, os.getpid()))
 
     return TiedServer
 

@@ -193,3 +193,32 @@ def test_prefect_s_termination_signal_in_the_chain_counts_as_an_interruption():
     assert not cli._SIGNALLED  # our handler did not run: only the chain tells
     assert cli._interrupted(caught.value)
     assert not cli._interrupted(RuntimeError("Query interrupted"))
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_evertrain_ui_stops_both_servers(tmp_path, how):
+    """SIGTERM to `evertrain ui` stops its Prefect and MLflow servers as Ctrl-C does (before: both kept running),
+    and a SIGKILLed one leaves neither behind."""
+    from evertrain.services import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), EVERTRAIN_HOME=str(tmp_path))
+    log = tmp_path / "ui.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "ui", "--prefect-port", str(free_port()),
+                                    "--mlflow-port", str(free_port())], cwd=tmp_path, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    servers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "stops both" not in log.read_text():
+            time.sleep(0.3)
+        servers = psutil.Process(process.pid).children(recursive=True)
+        assert {"prefect", "mlflow"} <= {Path(part).name for s in servers for part in s.cmdline()[:2]}, log.read_text()
+        process.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        assert process.wait(timeout=40) == (0 if how == "sigterm" else -signal.SIGKILL), log.read_text()[-2000:]
+        _gone, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"still running after `evertrain ui` got {how}: {[s.cmdline()[:3] for s in alive]}"
+        assert (tmp_path / "mlflow").is_dir()  # its state in the project home, not the working directory's guess
+    finally:
+        _cleanup(process, servers)
