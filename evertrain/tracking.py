@@ -18,6 +18,9 @@ from evertrain.config import CampaignConfig
 from evertrain.data.lineage import aliases
 
 ITERATION_TAG = "evertrain.iteration"
+CAMPAIGN_RUN_TAG = "evertrain.campaign_run"
+# MLflow 3's UI opens an experiment on its GenAI view unless the experiment says what kind it is
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 class Tracker:
@@ -49,6 +52,9 @@ class Tracker:
         else:
             self.experiment_id = experiment.experiment_id
             self._follow_moved_artifacts(experiment.artifact_location)
+        if experiment is None or EXPERIMENT_KIND[0] not in experiment.tags:
+            self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
+        self._campaign_run: str | None = None
 
     def _follow_moved_artifacts(self, recorded: str) -> None:
         """Point MLflow at this campaign's artifacts where they are now, if the state folder was moved or copied.
@@ -66,6 +72,29 @@ class Tracker:
         rebase_mlflow_artifacts(Path(uri.removeprefix("sqlite:///")), recorded, current)
 
     # --- runs ------------------------------------------------------------------------------------
+    def campaign_run(self) -> str:
+        """The campaign's one MLflow run (created on first use): every stage metric is logged to it with the
+        iteration as its step, so MLflow's charts draw each metric over the campaign's iterations. The
+        iteration runs are its nested runs (checkpoints, rollout tables, tags)."""
+        if self._campaign_run is None:
+            runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{CAMPAIGN_RUN_TAG}` = 'true'",
+                                           order_by=["attributes.start_time ASC"], max_results=1)
+            if runs:
+                self._campaign_run = runs[0].info.run_id
+            else:
+                run = self.client.create_run(self.experiment_id, run_name=f"campaign-{self.config.name}",
+                                             tags={CAMPAIGN_RUN_TAG: "true", "evertrain.campaign": self.config.name})
+                self._campaign_run = run.info.run_id
+                self.client.log_dict(self._campaign_run, self.config.model_dump(mode="json"), "config.json")
+                # a campaign never ends: its run is not left RUNNING forever (MLflow takes metrics on a finished run)
+                self.client.set_terminated(self._campaign_run, status="FINISHED")
+        return self._campaign_run
+
+    def log_iteration_metrics(self, run_id: str, metrics: dict[str, Any], iteration: int) -> None:
+        """``metrics`` of ``iteration`` on its own run and on the campaign's run, step = the iteration."""
+        self.log_metrics(run_id, metrics, step=iteration)
+        self.log_metrics(self.campaign_run(), metrics, step=iteration)
+
     def iteration_run(self, iteration: int, flow_run_id: str | None = None) -> tuple[str, str | None]:
         """The MLflow run of ``iteration`` (created on first use, continued after) and its previous status."""
         runs = self.client.search_runs(
@@ -80,7 +109,8 @@ class Tracker:
         else:
             run = self.client.create_run(
                 self.experiment_id, run_name=f"iteration-{iteration}",
-                tags={ITERATION_TAG: str(iteration), "evertrain.campaign": self.config.name},
+                tags={ITERATION_TAG: str(iteration), "evertrain.campaign": self.config.name,
+                      "mlflow.parentRunId": self.campaign_run()},
             )
             run_id = run.info.run_id
             self.client.log_dict(run_id, self.config.model_dump(mode="json"), "config.json")

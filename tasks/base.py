@@ -78,7 +78,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
                **stage_cost(rt, metrics, wall, cpu)}
     rt.store.record_stage(rt.campaign, iteration, stage, "completed", started_at=started, wall_s=wall,
                           cpu_s=cpu, metrics=metrics, flow_run_id=flow_run_id)
-    rt.tracker.log_metrics(run_id, {f"{stage}/{key}": value for key, value in metrics.items()}, step=iteration)
+    rt.tracker.log_iteration_metrics(run_id, {f"{stage}/{key}": value for key, value in metrics.items()}, iteration)
     if stage == "score":  # trajectories where people look: a sample of the scored rollouts, as an MLflow table
         rt.tracker.log_rollouts(run_id, iteration, sample_rollouts(rt.store, rt.campaign, iteration))
     if stage == "promote":  # the aliases have moved: checkpoints no alias or recent challenger needs can go

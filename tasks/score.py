@@ -85,7 +85,7 @@ def check_grader_errors(rt: Runtime, iteration: int, verdicts: list[Any]) -> flo
     share = failed / len(verdicts) if verdicts else 0.0
     limit = rt.config.score.max_grader_error_share
     if share > limit:
-        rt.tracker.log_metrics(rt.tracker.run_id(iteration), {"score/grader_error_share": share}, step=iteration)
+        rt.tracker.log_iteration_metrics(rt.tracker.run_id(iteration), {"score/grader_error_share": share}, iteration)
         named = "; ".join(f"{count}x {cause}" for count, cause in ((c, k) for k, c in causes[:3]))
         raise GraderFailure(
             f"score i={iteration}: {failed} of {len(verdicts)} completions ({share:.1%}) could not be graded "

@@ -70,7 +70,15 @@ def test_mlflow_holds_runs_and_registry(finished_campaign):
     config, rt, _ = finished_campaign
     client = rt.tracker.client
     experiment = client.get_experiment_by_name(config.experiment)
-    runs = client.search_runs([experiment.experiment_id])
+    every = client.search_runs([experiment.experiment_id])
+    runs = [r for r in every if "evertrain.iteration" in r.data.tags]
+    (campaign_run,) = [r for r in every if r.data.tags.get("evertrain.campaign_run") == "true"]
+    # MLflow draws the curve: every stage metric on the campaign's run with the iteration as its step, and the
+    # iterations' runs nested under it
+    for metric in ("score/mean_reward", "promote/gain", "update/loss"):
+        assert [m.step for m in client.get_metric_history(campaign_run.info.run_id, metric)] == [0, 1], metric
+    assert {r.data.tags.get("mlflow.parentRunId") for r in runs} == {campaign_run.info.run_id}
+    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"
     assert sorted(r.data.tags["evertrain.iteration"] for r in runs) == ["0", "1"]
     assert {r.info.status for r in runs} == {"FINISHED"}
     assert all("rollout/completions" in r.data.metrics and "promote/gain" in r.data.metrics for r in runs)

@@ -97,8 +97,8 @@ def test_moved_campaign_continues(tmp_path, api_url, monkeypatch, preloaded):
     experiment = client.get_experiment_by_name("evertrain/moved")
     new_root = (second / "mlflow" / "artifacts").as_uri()
     assert experiment.artifact_location.startswith(new_root)
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 2 and all(r.info.artifact_uri.startswith(new_root) for r in runs)
+    runs = client.search_runs([experiment.experiment_id])  # the campaign's run and its two iterations' runs
+    assert len(runs) == 3 and all(r.info.artifact_uri.startswith(new_root) for r in runs)
     model_versions = client.search_model_versions("name = 'evertrain-moved'")
     assert len(model_versions) == 3
     assert all(v.source.startswith(new_root) and old not in v.source for v in model_versions)

@@ -109,7 +109,7 @@ def _mlflow_runs(servers: dict[str, Any], campaign: str) -> list[str]:
         return []
     # the iterations' runs (the base model's files are logged through the server by a run of their own)
     return [r.info.status for r in client.search_runs([experiment.experiment_id])
-            if "evertrain.base" not in r.data.tags]
+            if "evertrain.iteration" in r.data.tags]
 
 
 def _run_on_a_worker(client: Any, deployment_id: Any, config: Any, pool: str, env: dict[str, str],
