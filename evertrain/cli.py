@@ -455,7 +455,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
     elif not args.html:
-        render_table(rows, f"campaign {args.campaign}")
+        render_table(rows, f"campaign {args.campaign}", wide=args.wide)
         if share_line(rows):
             print(share_line(rows))
         for s in summary:
@@ -831,6 +831,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="the per-iteration table of a campaign")
     report.add_argument("--campaign", required=True)
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    report.add_argument("--wide", action="store_true", help="every column (about 160 characters wide); the default "
+                        "table fits 100")
     report.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with plots and tables")
     report.add_argument("--config", help="campaign TOML file whose paths.store to read")
     report.add_argument("--store", help="store URI (default: $EVERTRAIN_STORE, else the DuckLake store under data/)")

@@ -16,6 +16,10 @@ COLUMNS = [
     ("eval_share", "eval share"), ("cpu_s", "cpu s"), ("tokens", "tokens"), ("dollars", "$"),
 ]
 
+# the terminal's table: fits 100 columns (the wide one: `evertrain report --wide`, the HTML page, MLflow)
+NARROW = ("iteration", "mean_reward", "zero_variance_share", "gate_challenger_pass1", "gate_champion_pass1",
+          "promoted", "wall_s", "cpu_s", "dollars")
+
 SPLIT_LABELS = {
     "gate": "gate's held-out set, seen at every promotion",
     "test": "sealed test split, never seen by curation or the gate",
@@ -53,20 +57,45 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def render_table(rows: list[dict[str, Any]], title: str) -> None:
-    """Print the report as a table on the terminal."""
+def render_table(rows: list[dict[str, Any]], title: str, wide: bool = False) -> None:
+    """Print the report as a table on the terminal: the columns of :data:`NARROW` (at most 100 characters wide),
+    or every column with ``wide``."""
     from rich.console import Console
     from rich.table import Table
 
+    columns = COLUMNS if wide else [(key, header) for key, header in COLUMNS if key in NARROW]
     table = Table(title=title)
-    for _, header in COLUMNS:
+    for _, header in columns:
         table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(*[_cell(row.get(key)) for key, _ in COLUMNS])
+        table.add_row(*[_cell(row.get(key)) for key, _ in columns])
     console = Console()
     if not console.is_terminal:  # piped or logged: never truncate a column to fit 80 characters
-        console = Console(width=max(console.width, 160))
+        console = Console(width=max(console.width, 160 if wide else 100))
     console.print(table)
+
+
+def iteration_line(row: dict[str, Any], width: int = 100) -> str:
+    """One iteration as it ends, in at most ``width`` characters: mean reward, the share of groups with a learning
+    signal (rewards that disagree), the gate's decision with its gain and interval, wall and CPU seconds."""
+    parts = [f"iteration {row['iteration']}"]
+    if row.get("mean_reward") is not None:
+        parts.append(f"reward {row['mean_reward']:.3f}")
+    if row.get("zero_variance_share") is not None:
+        parts.append(f"groups with signal {1 - row['zero_variance_share']:.0%}")
+    challenger, champion = row.get("gate_challenger_pass1"), row.get("gate_champion_pass1")
+    if row.get("promoted") is not None and challenger is not None and champion is not None:
+        gate = f"gate {challenger - champion:+.3f}"
+        if row.get("gain_low") is not None and row.get("gain_high") is not None:
+            gate += f" [{row['gain_low']:+.3f}, {row['gain_high']:+.3f}]"
+        version = row.get("challenger_version")
+        gate += f" promoted v{version}" if row["promoted"] else f" kept v{row.get('champion_version')}"
+        parts.append(gate)
+    elif row.get("promotion_reason"):
+        parts.append(f"gate skipped: {row['promotion_reason']}")
+    parts.append(f"{row.get('wall_s') or 0:.0f} s, cpu {row.get('cpu_s') or 0:.0f} s")
+    line = " | ".join(parts)
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def format_refusal(refusal: dict[str, Any] | None) -> list[str]:

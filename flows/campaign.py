@@ -17,6 +17,7 @@ iteration subflow and stage task receives that context, and it is closed when th
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from prefect import flow, tags
@@ -103,6 +104,18 @@ def run_campaign_flow(rt: Runtime, iterations: int | None = None) -> list[int]:
     return campaign_flow(rt.config, iterations)
 
 
+def _report_iteration(rt: Runtime, iteration: int) -> None:
+    """One line on the terminal as an iteration ends (reward, groups with signal, the gate, cost): written to
+    stderr itself, not printed, so Prefect's log formatting does not widen it past 100 columns."""
+    from evertrain.data.lineage import iteration_report
+    from evertrain.report import iteration_line
+
+    row = next((r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] == iteration), None)
+    if row is not None:
+        sys.stderr.write(iteration_line(row) + "\n")
+        sys.stderr.flush()
+
+
 def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
     """The body of :func:`campaign_flow`, in an open context ``rt`` (which the caller closes)."""
     # a rollout backend that cannot run the model refuses now, not when its engine dies mid-rollout
@@ -115,6 +128,7 @@ def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
         with tags(f"campaign:{rt.campaign}"):
             iteration_flow(rt, iteration)
         finished.append(iteration)
+        _report_iteration(rt, iteration)
         if (iteration + 1) % COMPACT_EVERY == 0:
             # every stage write adds Parquet files to a DuckLake store: merge them so readers (and the
             # next curate, which reads the whole pass-rate history) do not slow down as a campaign runs

@@ -108,6 +108,11 @@ def test_report_lists_every_iteration(finished_campaign, tmp_path):
         assert row["status"] == "completed" and row["tokens"] > 0 and row["dollars"] > 0
         assert row["pass1_challenger"] is not None and row["promoted"] is not None
         assert set(row["dropped"]) >= {"duplicate", "near_duplicate", "contaminated", "too_easy", "too_hard"}
+    from evertrain.report import iteration_line
+
+    line = iteration_line(rows[1])
+    assert line.startswith("iteration 1 | reward ") and len(line) <= 100
+    assert f"[{rows[1]['gain_low']:+.3f}, {rows[1]['gain_high']:+.3f}]" in line
     page = html_report(config.name, rows)
     assert page.count("<img") == 1 and "data:image/png;base64," in page and "iteration 1" in page
 

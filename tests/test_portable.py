@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,6 +70,12 @@ def test_moved_campaign_continues(tmp_path, api_url, monkeypatch, preloaded):
     result = _run(second, api_url, preloaded)
     assert result.returncode == 0, result.stderr[-3000:]
     old = str(first)
+    # a line as the iteration ends (reward, groups with signal, the gate with its interval, cost), and a final
+    # table that fits 100 columns
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("iteration 1 | reward ")]
+    assert len(line) <= 100 and "groups with signal" in line and re.search(r"\| gate [-+]\d\.\d{3} \[", line), line
+    table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert len(table) >= 5 and max(len(line) for line in table) <= 100, result.stdout
 
     monkeypatch.chdir(second)  # the store's default URI is relative to the working directory
     store = Store(PathsConfig().store, read_only=True)

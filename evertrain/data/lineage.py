@@ -90,6 +90,8 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             else float(decision["challenger_pass1"]),
             "gate_champion_pass1": evaluate.get("pass1_champion") if decision is None
             else float(decision["champion_pass1"]),
+            "gain_low": None if decision is None else _finite(decision["gain_low"]),
+            "gain_high": None if decision is None else _finite(decision["gain_high"]),
             "wall_s": wall, "eval_s": eval_s, "sealed_s": sealed_s, "eval_share": eval_s / wall if wall else None,
             "cpu_s": float(group["cpu_s"].fillna(0).sum()),
             "tokens": tokens,
@@ -110,6 +112,10 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
         row["points_per_dollar_total"] = (row["points_gained_total"] / spent
                                           if spent and row["points_gained_total"] is not None else None)
     return rows
+
+
+def _finite(value: Any) -> float | None:
+    return None if value is None or value != value else float(value)  # NULL reads back as NaN in pandas
 
 
 def _unfiltered_zero_variance(curate: dict[str, Any], score: dict[str, Any]) -> float | None:
