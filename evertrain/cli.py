@@ -125,6 +125,8 @@ def require_stage_inputs(uri: str, campaign: str, iteration: int, stage: str) ->
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
+    if args.verbose:
+        os.environ["EVERTRAIN_VERBOSE"] = "1"
     from evertrain.data.lineage import iteration_report
     from evertrain.flows.campaign import run_campaign_flow
     from evertrain.report import render_table
@@ -793,6 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="campaign TOML file (default: the built-in defaults)")
     run.add_argument("--campaign", help="campaign name (overrides the config's)")
     run.add_argument("--iterations", type=int, help="how many iterations (omitted: run forever)")
+    run.add_argument("--verbose", action="store_true", help="the libraries' chatter too (the trainers' raw log "
+                     "dictionaries; sets EVERTRAIN_VERBOSE=1)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="override one config value, e.g. --set generation.backend=vllm or "
                           "--set environments.0.max_new_tokens=32 (repeatable; the value is read as TOML)")

@@ -28,7 +28,7 @@ from typing import Any
 from evertrain.config import SftConfig
 from evertrain.data.queries import DEFAULT_DPO_SELECT, DEFAULT_SFT_SELECT
 from evertrain.runtime import Runtime
-from evertrain.tasks.warm_start import run_select, trainer_arguments
+from evertrain.tasks.warm_start import quiet_trainer, run_select, trainer_arguments
 
 
 def selection_sql(cfg: SftConfig) -> str:
@@ -108,9 +108,9 @@ def train_dpo(rt: Runtime, iteration: int, model: Any, tokenizer: Any, rows: lis
             output_dir=scratch, beta=cfg.dpo_beta, **trainer_arguments(rt, iteration, model, stage),
             remove_unused_columns=False,  # the collator needs the loss masks, which DPOTrainer does not know
         )
-        trainer = TokenizedDPOTrainer(model=model, ref_model=reference, args=args,
-                                      train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                                      data_collator=PairCollator(tokenizer.pad_token_id))
+        trainer = quiet_trainer(TokenizedDPOTrainer(model=model, ref_model=reference, args=args,
+                                                    train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                                                    data_collator=PairCollator(tokenizer.pad_token_id)))
         result = trainer.train()
         log = [entry for entry in trainer.state.log_history if "loss" in entry]
     model_seconds = time.perf_counter() - began

@@ -41,6 +41,7 @@ from evertrain.tasks.base import run_stage
 from evertrain.tasks.warm_start import (  # noqa: F401  (checkpoint_dir, checkpoint_for: the stage's API)
     checkpoint_dir,
     checkpoint_for,
+    quiet_trainer,
     run_select,
     start_version_of,
     trainer_arguments,
@@ -155,8 +156,8 @@ def _train_sft(rt: Runtime, iteration: int, model: Any, tokenizer: Any, frame: A
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="evertrain-sft-") as scratch:
         args = SFTConfig(output_dir=scratch, **trainer_arguments(rt, iteration, model, STAGE))
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tokenizer)
+        trainer = quiet_trainer(SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                                           processing_class=tokenizer))
         result = trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     model_seconds = time.perf_counter() - began

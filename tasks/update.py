@@ -81,6 +81,8 @@ from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import progress, run_stage
 from evertrain.tasks.warm_start import checkpoint_for, start_version_of
 
+_WARNED_FRESH: set[str] = set()  # campaigns whose fresh optimizer state this process has warned about
+
 
 def _batches(groups: list[Group], size: int) -> list[list[Group]]:
     """Whole groups packed in order into batches of about ``size`` completions (a group never splits)."""
@@ -302,8 +304,12 @@ def restore_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer, start_versi
         except (ValueError, RuntimeError, KeyError) as error:  # e.g. a different parameter layout
             outcome = f"fresh: v{start_version}'s optimizer state does not fit ({str(error)[:200]})"
     if outcome.startswith("fresh") and kind != "base":
-        logging.getLogger("evertrain").warning("update i=%d: optimizer state not restored, AdamW starts "
-                                               "afresh: %s", iteration, outcome)
+        # said once per campaign and process as a warning (then at INFO): the same cause recurs every iteration
+        # it applies to, and the MLflow tag below records each one
+        level = logging.INFO if rt.campaign in _WARNED_FRESH else logging.WARNING
+        _WARNED_FRESH.add(rt.campaign)
+        logging.getLogger("evertrain").log(level, "update i=%d: optimizer state not restored, AdamW starts "
+                                           "afresh: %s", iteration, outcome)
     rt.tracker.set_tags(rt.tracker.run_id(iteration), {"update.optimizer_state": outcome})
     return outcome
 

@@ -45,6 +45,19 @@ def run_select(read: Callable[[], Any]) -> Any:
         raise ValueError(f"sft.select failed: {error}") from error
 
 
+def quiet_trainer(trainer: Any) -> Any:
+    """``trainer`` without the callback that prints every log entry as a raw dictionary (what a TRL trainer does
+    with its progress bar off); its ``state.log_history`` still holds them. ``EVERTRAIN_VERBOSE=1``
+    (`evertrain run --verbose`) keeps them."""
+    import os
+
+    from transformers.trainer_callback import PrinterCallback
+
+    if os.environ.get("EVERTRAIN_VERBOSE") != "1":
+        trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
 def trainer_arguments(rt: Runtime, iteration: int, model: Any, stage: str) -> dict[str, Any]:
     """The TRL training arguments the sft and dpo methods share: seeded, constant learning rate, no saving,
     and the update's precision and gradient checkpointing (not TRL's defaults, which turn both on)."""

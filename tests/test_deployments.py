@@ -50,7 +50,9 @@ def _finished_runs(directory: Path, campaign: str) -> int:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
             row = con.execute(
                 """SELECT count(*) FROM runs JOIN experiments USING (experiment_id)
-                   WHERE experiments.name = ? AND runs.status = 'FINISHED'""", [f"evertrain/{campaign}"]).fetchone()
+                   WHERE experiments.name = ? AND runs.status = 'FINISHED'
+                   AND run_uuid IN (SELECT run_uuid FROM tags WHERE key = 'evertrain.iteration')""",
+                [f"evertrain/{campaign}"]).fetchone()
     except sqlite3.Error:  # not created yet, or busy
         return 0
     return int(row[0])

@@ -34,12 +34,14 @@ def _adapter(path):
     return load_file(str(path / "adapter_model.safetensors"))
 
 
-def test_sft_trains_on_the_selected_trajectories_and_update_starts_from_it(scored):
+def test_sft_trains_on_the_selected_trajectories_and_update_starts_from_it(scored, capsys):
     rt = scored
     positive = int(rt.store.scalar("SELECT count(*) FROM rollouts WHERE reward > 0"))
     assert positive > 0  # the digits reward gives the tiny model something to imitate
     metrics = run_stage(rt, "sft", 0, sft)
     assert metrics["selected"] == min(6, positive) and metrics["steps"] >= 1
+    # the trainer's raw log dictionaries stay off the terminal (EVERTRAIN_VERBOSE=1 brings them back)
+    assert "{'loss'" not in capsys.readouterr().out
     examples = rt.store.query("SELECT * FROM sft_examples ORDER BY problem_id, sample")
     assert len(examples) == metrics["selected"]
     # one per group first: no group holds two picks before every group holds one
