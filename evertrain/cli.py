@@ -127,6 +127,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
     if args.verbose:
         os.environ["EVERTRAIN_VERBOSE"] = "1"
+    else:  # the per-iteration lines and progress bars, not Prefect's INFO lines between them
+        from evertrain.quiet import quiet_prefect_console
+
+        quiet_prefect_console()
     from evertrain.data.lineage import iteration_report
     from evertrain.flows.campaign import run_campaign_flow
     from evertrain.report import render_table
@@ -263,6 +267,14 @@ def cmd_score(args: argparse.Namespace) -> int:
     if not source.is_file():
         print(f"evertrain: error: input file {source} does not exist", file=sys.stderr)
         return 2
+    if args.store:
+        from evertrain.data.store import StoreError, StoreLocation
+
+        try:
+            StoreLocation.parse(args.store)
+        except StoreError as error:
+            print(f"evertrain: error: --store: {error}", file=sys.stderr)
+            return 2
     entries = read_score_input(source)
     with progress(sum(error is None for _, error in entries), "score", "item") as bar:
         results, audit = score_entries(entries, workers=args.workers, progress=bar)
@@ -430,6 +442,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     from evertrain.data.lineage import live_pass_rate_over_time
 
     live_series = live_pass_rate_over_time(store, args.campaign) if args.html else []
+    from evertrain.data.lineage import sealed_curve
+
+    sealed = sealed_curve(store, args.campaign) if args.html else []
     from evertrain.curriculum import format_levels, levels_over_iterations
     from evertrain.data.lineage import diversity
     from evertrain.report import format_diversity, format_gate_power, gate_power
@@ -451,7 +466,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                 ("distinct_share", "distinct share"), ("token_entropy", "token entropy (nats)"),
                 ("informative_share", "informative groups")], []),
             ("Gate power", [], [], format_gate_power(power))]
-        page = html_report(args.campaign, rows, summary, sections, live=live_series)
+        page = html_report(args.campaign, rows, summary, sections, live=live_series, sealed=sealed)
         Path(args.html).write_text(page, encoding="utf-8")
         print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
@@ -759,7 +774,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
     try:
         time.sleep(2)
         print(f"\nPrefect UI: http://{args.host}:{args.prefect_port}\nMLflow UI:  http://{args.host}:{args.mlflow_port}\n"
-              "Ctrl-C (or SIGTERM) stops both.", flush=True)
+              "Ctrl-C (or SIGTERM) stops both.\nThe Prefect UI's \"Run\" form appears once a campaign is deployed: "
+              f"PREFECT_API_URL=http://{args.host}:{args.prefect_port}/api evertrain serve --config "
+              "configs/default.toml (in a second terminal).", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
     except KeyboardInterrupt:

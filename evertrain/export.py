@@ -90,6 +90,7 @@ def collect_lineage(rt: Runtime, version: int, row: dict[str, Any], manifest: di
     """Where ``version`` came from, read from the store: the chain of versions back to the base model, the
     iterations and data that trained them, the gate's decisions, held-out results and what it all cost."""
     from evertrain.data.lineage import champion_vs_base
+    from evertrain.models.checkpoint import hub_id
 
     store, campaign = rt.store, rt.campaign
     chain = store.lineage(campaign, version)
@@ -101,7 +102,8 @@ def collect_lineage(rt: Runtime, version: int, row: dict[str, Any], manifest: di
     held_out = [r for r in champion_vs_base(store, campaign) if r["champion_version"] == version]
     return {
         "campaign": campaign, "version": version, "kind": row["kind"],
-        "base_model": manifest.get("base_model"), "model_config": rt.config.model.path,
+        "base_model": manifest.get("base_model"), "base_model_hub_id": hub_id(rt.config.model.path),
+        "model_config": rt.config.model.path,
         "registered_model": rt.config.registered_model, "lineage": chain, "iterations": iterations,
         "environments": [{"name": s.name, "weight": s.weight, "options": s.options} for s in rt.config.environments],
         "data": data.to_dict("records"), "gates": gates.to_dict("records"), "held_out": held_out,
@@ -118,15 +120,18 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def model_card(lineage: dict[str, Any]) -> str:
     """A Hugging Face model card (README.md with YAML front matter) for an exported version."""
+    hub = lineage.get("base_model_hub_id")
+    # the Hub reads `base_model` as a Hub id: a local path there would be a broken link, so none is written
     lines = [
         "---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- evertrain", "- grpo",
-        f"base_model: {lineage['base_model']}", "---", "",
+        *([f"base_model: {hub}"] if hub else []), "---", "",
         f"# {lineage['registered_model']} v{lineage['version']}", "",
         f"Exported by evertrain from campaign `{lineage['campaign']}`: model version {lineage['version']} "
         f"({lineage['kind']}), with any LoRA adapter merged into the weights. Load it with "
         "`AutoModelForCausalLM.from_pretrained(<this folder>)`.", "",
         "## Lineage", "",
-        f"- base model: `{lineage['base_model']}` (config `model.path = {lineage['model_config']}`)",
+        f"- base model: `{hub or lineage['base_model']}` (config `model.path = {lineage['model_config']}`"
+        + (f", loaded from `{lineage['base_model']}`)" if hub and hub != lineage["base_model"] else ")"),
         "- versions, newest first: " + " <- ".join(f"v{c['version']} (iteration {c['iteration']}, {c['kind']})"
                                                    for c in lineage["lineage"]),
         f"- iterations trained: {', '.join(map(str, lineage['iterations'])) or 'none (the base model)'}",

@@ -8,8 +8,25 @@ import io
 from typing import Any
 
 
-def progress_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
-    """Reward and held-out pass@1 against iteration; dollars spent and points gained per dollar."""
+def _gate_interval(rows: list[dict[str, Any]], key: str, share_key: str | None) -> tuple[list[float], list[float]]:
+    """The 95% Wilson interval of each row's gate pass@1 as errorbar extents (below, above); 0 where unknown."""
+    from evertrain.stats import wilson
+
+    below, above = [], []
+    for r in rows:
+        value, problems = r.get(key), r.get("gate_problems")
+        if value is None or not problems:
+            below.append(0.0), above.append(0.0)
+            continue
+        n = max(1, round(problems * (r.get(share_key) or 1.0) if share_key else problems))
+        low, high = wilson(round(value * n), n)
+        below.append(max(0.0, value - low)), above.append(max(0.0, high - value))
+    return below, above
+
+
+def progress_figure(rows: list[dict[str, Any]], title: str = "", sealed: list[dict[str, Any]] | None = None) -> Any:
+    """Reward, the gate's pass@1 of challenger and champion (95% intervals) and the sealed test pass@1 of the
+    base and each champion (95% intervals) against iteration; dollars spent and points gained per dollar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,14 +39,28 @@ def progress_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
         return [float("nan") if r.get(key) is None else float(r[key]) for r in rows]
 
     left.plot(its, series("mean_reward"), "o-", label="rollout mean reward")
-    left.plot(its, series("pass1_challenger"), "s-", label="held-out pass@1, challenger")
-    left.plot(its, series("pass1_champion"), "^--", label="held-out pass@1, champion")
+    left.errorbar([i - 0.06 for i in its], series("pass1_challenger"),
+                  yerr=_gate_interval(rows, "pass1_challenger", "challenger_eval_share"), fmt="s-", capsize=3,
+                  label="gate pass@1, challenger (95% CI)")
+    left.errorbar([i + 0.06 for i in its], series("pass1_champion"),
+                  yerr=_gate_interval(rows, "pass1_champion", None), fmt="^--", capsize=3,
+                  label="gate pass@1, champion (95% CI)")
+    # the sealed test split: measured for the base and each new champion, never looked at by a gate
+    promoted_at = {int(r["challenger_version"]): r["iteration"] for r in rows
+                   if r.get("promoted") and r.get("challenger_version") is not None}
+    points = sorted(((promoted_at.get(p["version"], -1), p) for p in sealed or [] if p["split"] == "test"
+                     and p["pass1"] is not None), key=lambda xp: xp[0])
+    if points:
+        left.errorbar([x for x, _ in points], [p["pass1"] for _, p in points],
+                      yerr=([p["pass1"] - p["low"] for _, p in points], [p["high"] - p["pass1"] for _, p in points]),
+                      fmt="D:", color="black", capsize=3,
+                      label=f"sealed test pass@1, base (at -1), champions ({points[0][1]['problems']} problems)")
     for r in rows:
         if r.get("promoted"):
             left.axvline(r["iteration"], color="green", alpha=0.2)
     left.set_xlabel("iteration")
     left.set_ylim(0, 1)
-    left.legend(fontsize=8)
+    left.legend(fontsize=7)
     left.set_title("learning (green: promoted)")
     right.plot(its, series("cumulative_dollars"), "o-", color="tab:red", label="cumulative $")
     right.set_xlabel("iteration")
@@ -123,13 +154,16 @@ def live_html(live: list[dict[str, Any]] | None) -> str:
 
 
 def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dict[str, Any]] | None = None,
-                sections: list[Section] | None = None, live: list[dict[str, Any]] | None = None) -> str:
+                sections: list[Section] | None = None, live: list[dict[str, Any]] | None = None,
+                sealed: list[dict[str, Any]] | None = None) -> str:
     """One self-contained page (figures inlined as PNG) with the campaign's plots and tables; ``sections``
     are more tables (curriculum levels, sample diversity, gate power), each with lines of text under it;
-    ``live`` the endpoint's pass rate over time (:func:`evertrain.report.live_pass_rate_over_time`)."""
+    ``live`` the endpoint's pass rate over time (:func:`evertrain.report.live_pass_rate_over_time`); ``sealed``
+    the sealed splits' pass@1 of the base and each champion (:func:`evertrain.data.lineage.sealed_curve`).
+    A section with nothing to show is left out, heading and all."""
     import matplotlib.pyplot as plt
 
-    fig = progress_figure(rows, f"campaign {campaign}")
+    fig = progress_figure(rows, f"campaign {campaign}", sealed)
     image = _png(fig)
     plt.close(fig)
     summary = _table(rows, [
@@ -162,10 +196,11 @@ def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dic
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>evertrain: {html.escape(campaign)}</title>"
             f"<style>{style}</style></head><body><h1>evertrain campaign <code>{html.escape(campaign)}</code></h1>"
             f"<img alt='progress' src='data:image/png;base64,{image}'>"
-            f"<h2>Champion against the base model</h2>{versus}"
-            f"<h2>Iterations</h2>{summary}<h2>Held-out pass@1 per environment (challenger)</h2>{per_env}"
-            f"<h2>Curation</h2>{curation}<h2>Promotion decisions</h2><ul>{decisions}</ul>"
+            + (f"<h2>Champion against the base model</h2>{versus}" if versus_base else "")
+            + f"<h2>Iterations</h2>{summary}"
+            + (f"<h2>Held-out pass@1 per environment (challenger)</h2>{per_env}" if envs else "")
+            + f"<h2>Curation</h2>{curation}<h2>Promotion decisions</h2><ul>{decisions}</ul>"
             + "".join(f"<h2>{html.escape(title)}</h2>" + (_table(part, columns) if part else "")
                       + "".join(f"<p>{html.escape(line)}</p>" for line in lines)
-                      for title, part, columns, lines in sections or [])
+                      for title, part, columns, lines in sections or [] if part or lines)
             + live_html(live) + "</body></html>")

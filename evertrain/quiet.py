@@ -31,3 +31,20 @@ def quiet_libraries() -> None:
         transformers.utils.logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
+
+
+def quiet_prefect_console(level: str = "WARNING") -> None:
+    """Prefect's INFO lines (flow and task runs created, finished) off the terminal; the Prefect UI keeps them:
+    they reach its API through another handler. Applies to this process's logging set-up as it is (also where
+    Prefect was imported before) and to the processes it starts."""
+    import logging
+
+    os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = level
+    import prefect  # noqa: F401 - its logging set-up runs on import
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.setLevel(level)

@@ -44,6 +44,31 @@ def resolve_base(model: ModelConfig) -> str:
     return str(path.resolve()) if path.exists() else model.path
 
 
+# the Hugging Face Hub id of each embedded base model (a model card's `base_model` must be one)
+EMBEDDED_HUB_IDS = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def hub_id(path: str) -> str | None:
+    """The Hub id of the base model that ``model.path`` names, or None (a built model, a local folder that
+    does not say which Hub model it holds)."""
+    if path in EMBEDDED_HUB_IDS or path.startswith("embedded:"):
+        return EMBEDDED_HUB_IDS.get(path)
+    folder = Path(path).expanduser()
+    if folder.exists():
+        try:
+            named = json.loads((folder / "config.json").read_text()).get("_name_or_path", "")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return named if isinstance(named, str) and _looks_like_hub_id(named) and not Path(named).exists() else None
+    return path if _looks_like_hub_id(path) else None
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") and all(c.isalnum() or c in "-_." for c in p)
+                                   for p in parts)
+
+
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     path = Path(checkpoint) / MANIFEST
     if not path.exists():

@@ -123,11 +123,12 @@ def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
     """The campaign's progress so far, as a figure on this iteration's MLflow run."""
     import matplotlib.pyplot as plt
 
-    from evertrain.data.lineage import iteration_report
+    from evertrain.data.lineage import iteration_report, sealed_curve
     from evertrain.plots import progress_figure
 
     rows = [r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] <= iteration]
-    figure = progress_figure(rows, f"campaign {rt.campaign} after iteration {iteration}")
+    sealed = [p for p in sealed_curve(rt.store, rt.campaign) if p["iteration"] <= iteration]
+    figure = progress_figure(rows, f"campaign {rt.campaign} after iteration {iteration}", sealed)
     rt.tracker.client.log_figure(run_id, figure, "figures/progress.png")
     plt.close(figure)
 

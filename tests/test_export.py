@@ -77,6 +77,26 @@ def test_model_card_has_lineage(exported):
     assert lineage["gates"][0]["reason"] in card
 
 
+def test_model_card_names_the_base_model_by_its_hub_id(exported, tmp_path):
+    from evertrain.export import model_card
+    from evertrain.models.checkpoint import hub_id
+
+    _, out, _ = exported
+    lineage = json.loads((out / "evertrain_lineage.json").read_text())
+    assert lineage["base_model_hub_id"] is None  # the tests' tiny model is built, not from the Hub
+    assert "base_model:" not in (out / "README.md").read_text().split("---")[1], "a local path is no Hub id"
+    local = "/somewhere/models/SmolLM2-135M-Instruct"
+    card = model_card({**lineage, "base_model": local, "model_config": "embedded:smollm2-135m-instruct",
+                       "base_model_hub_id": hub_id("embedded:smollm2-135m-instruct")})
+    assert "\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in card.split("---\n# ")[0]
+    assert f"loaded from `{local}`" in card
+    assert hub_id("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+    assert hub_id(str(tmp_path / "local")) == "Qwen/Qwen2.5-0.5B"
+    assert hub_id(str(tmp_path)) is None and hub_id("embedded:tiny") is None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

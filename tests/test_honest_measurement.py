@@ -203,6 +203,26 @@ def test_seeded_update_gate_every_k_generation_keys_and_sealed_splits(tmp_path, 
     decision = rt.store.query("SELECT per_env FROM promotions WHERE iteration = 1")["per_env"].iloc[0]
     assert '"problems": 4' in decision  # the gate compared its own 4 problems, not the sealed 3
 
+    # the report's learning plot: the gate's pass@1 with its interval, the sealed test pass@1 with its own
+    from evertrain.data.lineage import iteration_report, sealed_curve
+    from evertrain.plots import html_report, progress_figure
+
+    curve = [p for p in sealed_curve(rt.store, "honest") if p["split"] == "test"]
+    assert 1 in {p["version"] for p in curve} and all(p["problems"] == 3 for p in curve)
+    passed = rt.store.query("SELECT count(*) AS n FROM evals WHERE split = 'test' AND model_version = 1 AND passed")
+    mine = next(p for p in curve if p["version"] == 1)
+    assert mine["pass1"] == passed["n"].iloc[0] / 3 and mine["low"] <= mine["pass1"] <= mine["high"]
+    assert mine["high"] - mine["low"] > 0.3  # 3 problems: a wide interval, drawn as such
+    rows = iteration_report(rt.store, "honest")
+    figure = progress_figure(rows, "", curve)
+    labels = figure.axes[0].get_legend_handles_labels()[1]
+    assert any(label.startswith("sealed test pass@1") for label in labels), labels
+    assert "gate pass@1, challenger (95% CI)" in labels and rows[-1]["gate_problems"] == 4
+    bars = [c for c in figure.axes[0].containers if c.has_yerr]
+    assert len(bars) == 3  # challenger, champion, sealed: each with its interval
+    page = html_report("honest", rows, [], [("Curriculum levels", [], [("level", "level")], [])], sealed=curve)
+    assert "Curriculum levels" not in page and "Champion against the base model" not in page  # nothing to show
+
 
 def test_rotated_gate_sets_are_disjoint_held_out_and_each_gate_compares_on_its_own(tmp_path, models_dir):
     """eval.rotations = 2: the gate alternates between two disjoint sets, both kept out of training and of the

@@ -74,6 +74,7 @@ def test_moved_campaign_continues(tmp_path, api_url, monkeypatch, preloaded):
     # table that fits 100 columns
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("iteration 1 | reward ")]
     assert len(line) <= 100 and "groups with signal" in line and re.search(r"\| gate [-+]\d\.\d{3} \[", line), line
+    assert "| INFO    |" not in result.stderr, "Prefect's INFO lines on the terminal (evertrain run --verbose only)"
     table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
     assert len(table) >= 5 and max(len(line) for line in table) <= 100, result.stdout
 

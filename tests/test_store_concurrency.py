@@ -179,6 +179,10 @@ def test_store_uri_forms(tmp_path, monkeypatch):
     with pytest.raises(StoreError, match="'sqlite' or 'postgres'"):
         StoreLocation.parse("ducklake:mysql:x")
     assert StoreLocation.parse("old.duckdb").kind == "duckdb"
+    for uri in ("duckdb:///tmp/x.duckdb", "postgres://u@h/db"):  # not a folder named "duckdb:" in the cwd
+        with pytest.raises(StoreError, match="unknown scheme"):
+            StoreLocation.parse(uri)
+    assert not list(tmp_path.iterdir())
     with pytest.raises(StoreError, match="does not exist yet"):
         Store("ducklake:sqlite:missing.sqlite", read_only=True)
 

@@ -90,6 +90,7 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             else float(decision["challenger_pass1"]),
             "gate_champion_pass1": evaluate.get("pass1_champion") if decision is None
             else float(decision["champion_pass1"]),
+            "gate_problems": evaluate.get("eval_problems"),
             "gain_low": None if decision is None else _finite(decision["gain_low"]),
             "gain_high": None if decision is None else _finite(decision["gain_high"]),
             "wall_s": wall, "eval_s": eval_s, "sealed_s": sealed_s, "eval_share": eval_s / wall if wall else None,
@@ -111,6 +112,20 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
         row["points_gained_total"] = None if base is None or current is None else 100 * (current - base)
         row["points_per_dollar_total"] = (row["points_gained_total"] / spent
                                           if spent and row["points_gained_total"] is not None else None)
+    return rows
+
+
+def sealed_curve(store: Store, campaign: str) -> list[dict[str, Any]]:
+    """Greedy pass@1 of the base model and of each champion on the sealed splits, with its 95% Wilson
+    interval: version, split, iteration (the one whose promotion measured it), problems, pass1, low, high."""
+    from evertrain.stats import wilson
+
+    rows = []
+    for row in store.sealed_pass_counts(campaign).to_dict("records"):
+        problems, passed = int(row["problems"]), int(row["passed"] or 0)
+        low, high = wilson(passed, problems)
+        rows.append({"version": int(row["model_version"]), "split": row["split"], "iteration": int(row["iteration"]),
+                     "problems": problems, "pass1": passed / problems if problems else None, "low": low, "high": high})
     return rows
 
 

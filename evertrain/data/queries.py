@@ -396,6 +396,18 @@ class Queries:
                 GROUP BY model_version, env, coalesce(split, 'gate'), problem_id""",
             [campaign, int(versions[0]), int(versions[1])])
 
+    def sealed_pass_counts(self, campaign: str) -> pd.DataFrame:
+        """Every version's greedy results on the sealed splits (test, transfer, broad): model_version, split,
+        iteration (the first it was measured at), problems, passed."""
+        return self.query(
+            """SELECT model_version, split, min(iteration) AS iteration, count(*) AS problems,
+                      sum(CAST(passed AS INTEGER)) AS passed
+                FROM (SELECT model_version, split, problem_id, min(iteration) AS iteration,
+                             any_value(coalesce(passed, false)) AS passed
+                      FROM evals WHERE campaign = ? AND sample = 0 AND split IN ('test', 'transfer', 'broad')
+                      GROUP BY model_version, split, problem_id)
+                GROUP BY model_version, split ORDER BY model_version, split""", [campaign])
+
     def refused_gate_answers(self, campaign: str, iteration: int, challenger: int, champion: int) -> pd.DataFrame:
         """A refused gate's greedy answers: the challenger's at ``iteration`` and the champion's at or before it:
         model_version, env, split ('gate'), problem_id, reward."""

@@ -106,6 +106,11 @@ class StoreLocation:
             return str((Path(base) / path if base is not None else Path(path)).resolve())
 
         if not text.startswith("ducklake:"):
+            scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", text)
+            if scheme:  # "duckdb:///x.duckdb", "postgres://...": would silently become a folder named "duckdb:"
+                raise StoreError(f"store URI {text!r}: unknown scheme {scheme.group(1)!r}; a DuckDB store is a plain "
+                                 "file path (data/evertrain.duckdb), a DuckLake one ducklake:sqlite:<file> or "
+                                 "ducklake:postgres:<connection string>?data_path=<folder>")
             return cls("duckdb", target=absolute(text))
         rest, _, data_path = text.removeprefix("ducklake:").partition("?data_path=")
         catalog, _, target = rest.partition(":")
