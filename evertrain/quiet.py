@@ -36,10 +36,10 @@ def quiet_libraries() -> None:
 def quiet_prefect_console(level: str = "WARNING") -> None:
     """Prefect's INFO lines (flow and task runs created, finished) off the terminal; the Prefect UI keeps them:
     they reach its API through another handler. Applies to this process's logging set-up as it is (also where
-    Prefect was imported before) and to the processes it starts."""
+    Prefect was imported before), not to the processes it starts: the temporary Prefect server's start is read
+    from its INFO lines."""
     import logging
 
-    os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = level
     import prefect  # noqa: F401 - its logging set-up runs on import
     from prefect.logging.handlers import PrefectConsoleHandler
 
