@@ -8,8 +8,9 @@ Trainer (and so TRL) refuse it, so we rebuild the model from a clean config and 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
+
+from evertrain.models.folders import publish_folder
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -30,6 +31,10 @@ def gguf_package_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def _converted(dest: Path) -> bool:
+    return (dest / "config.json").exists() and any(dest.glob("*.safetensors"))
+
+
 def convert_smollm2(dest: Path) -> Path:
     """Write SmolLM2-135M-Instruct as float32 safetensors plus its tokenizer into ``dest``.
 
@@ -37,7 +42,7 @@ def convert_smollm2(dest: Path) -> Path:
     temporary sibling folder and renames it, so an interrupted conversion leaves nothing half-done.
     """
     dest = Path(dest)
-    if (dest / "config.json").exists() and any(dest.glob("*.safetensors")):
+    if _converted(dest):
         return dest
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -57,11 +62,9 @@ def convert_smollm2(dest: Path) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     clean.tie_weights()
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    clean.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest
+
+    def write(folder: Path) -> None:
+        clean.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return publish_folder(dest, write, _converted)

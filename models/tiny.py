@@ -8,8 +8,9 @@ included, which has no kernels for heads narrower than 32.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
+
+from evertrain.models.folders import publish_folder
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -60,10 +61,9 @@ def build_tiny_model(dest: Path, seed: int = 0, hidden: int = 64, layers: int = 
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return publish_folder(dest, write, lambda folder: (folder / "config.json").exists())

@@ -89,6 +89,10 @@ def smoke_config_in(directory: Path, models_dir: Path, **overrides: object) -> C
         "checkpoints": str(directory / "checkpoints"),
     }
     for key, value in overrides.items():
+        if key == "model" and isinstance(value, dict):
+            # merged, not replaced: the model's folder (and smoke's tiny model unless a path is named) are kept,
+            # so no test converts the embedded SmolLM2 into the working directory's state/models
+            value = {**data["model"], **value}
         data[key] = value
     config = CampaignConfig.model_validate(data)
     database = directory / "mlflow" / "mlflow.db"
