@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from evertrain.models import ModelError
+from evertrain.report import SPLIT_LABELS
 from evertrain.runtime import Runtime
 
 # what the served model needs; listing it skips MLflow's requirement inference, which loads the model in a
@@ -155,12 +156,16 @@ def model_card(lineage: dict[str, Any]) -> str:
                      f"[{_fmt(g['gain_low'], '+.3f')}, {_fmt(g['gain_high'], '+.3f')}] | {g['reason']} |")
     lines += ["", "## Held-out results", ""]
     if lineage["held_out"]:
+        # one row per environment and split, the numbers `evertrain report` prints for the same comparison
         lines += ["Greedy pass@1 on held-out problems, against the base model on the same problems "
-                  "(95% paired bootstrap interval of the gain):", "",
-                  "| environment | problems | base pass@1 | this version | gain | 95% CI |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {h['env']} | {h['problems']} | {_fmt(h['base_pass1'])} | {_fmt(h['champion_pass1'])} | "
-                  f"{_fmt(h['gain'], '+.3f')} | [{_fmt(h['gain_low'], '+.3f')}, {_fmt(h['gain_high'], '+.3f')}] |"
+                  "(95% paired bootstrap interval of the gain). Splits: " + "; ".join(
+                      f"`{split}`: the {label}" for split, label in SPLIT_LABELS.items()
+                      if any(h.get("split", "gate") == split for h in lineage["held_out"])) + ".", "",
+                  "| environment | split | problems | base pass@1 | this version | gain | 95% CI |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {h['env']} | {h.get('split', 'gate')} | {h['problems']} | {_fmt(h['base_pass1'])} | "
+                  f"{_fmt(h['champion_pass1'])} | {_fmt(h['gain'], '+.3f')} | "
+                  f"[{_fmt(h['gain_low'], '+.3f')}, {_fmt(h['gain_high'], '+.3f')}] |"
                   for h in lineage["held_out"]]
     else:
         lines.append("Not measured against the base model: this version is not the campaign's current champion "

@@ -139,3 +139,22 @@ def test_mlflow_serves_the_exported_model(exported, tmp_path):
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+def test_model_card_held_out_rows_are_the_report_s(exported, tmp_path):
+    """The card's held-out table is the report's champion-vs-base comparison, one row per environment and split,
+    with the same pass@1, gain and interval (it used to list the gate's and the sealed splits' rows unnamed)."""
+    from evertrain.data.lineage import champion_vs_base
+    from evertrain.export import export
+
+    rt = exported[0]
+    rows = champion_vs_base(rt.store, "export")
+    assert rows and all(row["split"] for row in rows), rows
+    champion = rows[0]["champion_version"]
+    export(rt, tmp_path / "champion", version=champion, log_to_mlflow=False)
+    card = (tmp_path / "champion" / "README.md").read_text()
+    for row in rows:
+        line = (f"| {row['env']} | {row['split']} | {row['problems']} | {row['base_pass1']:.3f} | "
+                f"{row['champion_pass1']:.3f} | {row['gain']:+.3f} | "
+                f"[{row['gain_low']:+.3f}, {row['gain_high']:+.3f}] |")
+        assert line in card, (line, card)
