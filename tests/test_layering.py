@@ -98,7 +98,7 @@ def layer_of(module: str) -> int | None:
 # The parts of the system, by module (the most specific name wins); see part_of. The model files are what the learner
 # writes and inference reads (checkpoints, precision, the shared prefix-cached forward pass, the embedded models).
 MODEL_FILES = ("evertrain.models.checkpoint", "evertrain.models.precision", "evertrain.models.forward",
-               "evertrain.models.tiny", "evertrain.models.convert")
+               "evertrain.models.tiny", "evertrain.models.convert", "evertrain.models.folders")
 PARTS: dict[str, tuple[str, ...]] = {
     "orchestration": ("evertrain.flows", "evertrain.tasks", "evertrain.runtime", "evertrain.cluster",
                       "evertrain.cli", "evertrain.serving", "evertrain.report", "evertrain.tracking",
