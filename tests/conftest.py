@@ -161,13 +161,14 @@ def preloaded():
 # --dist loadfile each worker takes the next file as it frees up, so a long file taken last would run alone on
 # one core at the end while the other idles. `make test` passes --no-loadscope-reorder: xdist otherwise
 # reorders the files by their number of tests, which put the long one-test files (servers, deployments) last.
-LONGEST_FIRST = ("test_servers.py", "test_vllm.py", "test_deployments.py", "test_endpoint_vllm.py", "test_ray.py",
-                 "test_ray_nodes.py", "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py",
-                 "test_crash_safety.py",
-                 "test_endpoint.py", "test_adversarial_sandbox.py", "test_approval.py", "test_accelerate.py",
-                 "test_curriculum.py", "test_notebook.py", "test_portable.py", "test_tool_rollout.py",
-                 "test_update_data_parallel.py", "test_adversarial.py", "test_backends.py", "test_async.py",
-                 "test_run_signal.py")
+LONGEST_FIRST = ("test_vllm.py", "test_run_signal.py", "test_deployments.py", "test_servers.py", "test_ray.py",
+                 "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py", "test_endpoint_vllm.py",
+                 "test_ray_nodes.py", "test_crash_safety.py", "test_adversarial_sandbox.py", "test_curation.py",
+                 "test_approval.py", "test_curriculum.py", "test_portable.py", "test_sql_readonly.py",
+                 "test_honest_measurement.py", "test_endpoint.py", "test_cli_refusals.py",
+                 "test_update_data_parallel.py", "test_promotion.py", "test_docs.py", "test_terminal.py",
+                 "test_sft.py", "test_async.py", "test_export.py", "test_campaign_flow.py", "test_adversarial.py",
+                 "test_accelerate.py", "test_api_keys.py", "test_tool_envs.py", "test_tool_rollout.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

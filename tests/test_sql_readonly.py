@@ -12,14 +12,20 @@ import pytest
 from evertrain.cli import main
 from evertrain.data.store import Store, extension_dir
 
+# what each store held when it was made: every refusal is checked against it, so a write that got through in one
+# test fails that test (and every later one of the module, which shares the store)
+INITIAL: dict[str, dict[str, object]] = {}
 
-@pytest.fixture
-def lake(tmp_path: Path) -> str:
-    """A DuckLake store with a sentinel row (a rollback) and a second snapshot, so reads touch Parquet files."""
-    uri = f"ducklake:sqlite:{tmp_path / 'store' / 'evertrain.sqlite'}"
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A DuckLake store with a sentinel row (a rollback) and a second snapshot, so reads touch Parquet files; one
+    for the module (each store opened costs about half a second)."""
+    uri = f"ducklake:sqlite:{tmp_path_factory.mktemp('lake') / 'store' / 'evertrain.sqlite'}"
     with Store(uri) as store:
         store.record_rollback("demo", 2, 1, "sentinel")
         store.record_rollback("demo", 3, 2, "second")
+    INITIAL[uri] = state(uri)
     return uri
 
 
@@ -37,7 +43,7 @@ def sql(uri: str, query: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def refused(uri: str, query: str, capsys: pytest.CaptureFixture[str], *words: str) -> str:
-    before = state(uri)
+    before = INITIAL.get(uri) or state(uri)
     code, out, err = sql(uri, query, capsys)
     assert code == 2, f"not refused (exit {code}): {out[:500]} {err[-500:]}"
     assert err.startswith("evertrain: error: ") and err.count("\n") == 1, err
