@@ -77,13 +77,17 @@ def render_table(rows: list[dict[str, Any]], title: str, wide: bool = False) -> 
 
 def iteration_line(row: dict[str, Any], width: int = 100) -> str:
     """One iteration as it ends, in at most ``width`` characters: mean reward, the share of groups with a learning
-    signal (rewards that disagree), the gate's decision with its gain and interval, wall and CPU seconds."""
+    signal (rewards that disagree), the gate's decision with its gain and interval, wall and CPU seconds.
+    Only a skipped gate's reason is shortened to fit; the cost always ends the line."""
+    import re
+
     parts = [f"iteration {row['iteration']}"]
     if row.get("mean_reward") is not None:
         parts.append(f"reward {row['mean_reward']:.3f}")
     if row.get("zero_variance_share") is not None:
-        parts.append(f"groups with signal {1 - row['zero_variance_share']:.0%}")
+        parts.append(f"signal {1 - row['zero_variance_share']:.0%}")
     challenger, champion = row.get("gate_challenger_pass1"), row.get("gate_champion_pass1")
+    cost = f"{row.get('wall_s') or 0:.0f} s, cpu {row.get('cpu_s') or 0:.0f} s"
     if row.get("promoted") is not None and challenger is not None and champion is not None:
         gate = f"gate {challenger - champion:+.3f}"
         if row.get("gain_low") is not None and row.get("gain_high") is not None:
@@ -92,10 +96,18 @@ def iteration_line(row: dict[str, Any], width: int = 100) -> str:
         gate += f" promoted v{version}" if row["promoted"] else f" kept v{row.get('champion_version')}"
         parts.append(gate)
     elif row.get("promotion_reason"):
-        parts.append(f"gate skipped: {row['promotion_reason']}")
-    parts.append(f"{row.get('wall_s') or 0:.0f} s, cpu {row.get('cpu_s') or 0:.0f} s")
+        reason = str(row["promotion_reason"]).removeprefix("skipped: ")
+        scheduled = re.search(r"runs every .*\(next at iteration (\d+)\)", reason)
+        gate = f"no gate (next at iteration {scheduled.group(1)})" if scheduled else f"gate skipped: {reason}"
+        room = width - len(" | ".join([*parts, "", cost]))
+        parts.append(gate if len(gate) <= room else gate[:max(room - 3, 0)] + "...")
+    parts.append(cost)
     line = " | ".join(parts)
-    return line if len(line) <= width else line[:width - 3] + "..."
+    # long numbers (iteration 10+, thousands of seconds): the interval's and the cost's spaces go first
+    for spaced, tight in ((", +", ",+"), (", -", ",-"), (" s, cpu ", " s cpu ")):
+        if len(line) > width:
+            line = line.replace(spaced, tight)
+    return line
 
 
 def format_refusal(refusal: dict[str, Any] | None) -> list[str]:

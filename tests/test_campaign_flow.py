@@ -226,3 +226,20 @@ def test_html_report_draws_in_a_browser(finished_campaign, tmp_path):
     # drawn at its own size (CSS pixels = PNG pixels), near the top, below the heading
     assert max(xs) - min(xs) > 0.5 * plot.width and max(xs) <= 40 + plot.width
     assert max(ys) - min(ys) > 0.4 * plot.height and max(ys) < 200 + plot.height
+
+
+def test_an_iteration_line_names_the_next_gate_and_always_ends_with_its_cost():
+    """A skipped gate's reason was cut at 100 columns with the cost ("gate skipped: skipped: the gate runs every
+    ...", the seconds lost): the next gate is named in a few words, any other reason is shortened, never the cost."""
+    from evertrain.report import iteration_line
+
+    row = {"iteration": 12, "mean_reward": 0.117, "zero_variance_share": 0.0, "promoted": None, "wall_s": 1234.4,
+           "cpu_s": 2345.6, "promotion_reason": "skipped: the gate runs every 3 updates (next at iteration 14)"}
+    assert iteration_line(row) == \
+        "iteration 12 | reward 0.117 | signal 100% | no gate (next at iteration 14) | 1234 s, cpu 2346 s"
+    long = iteration_line({**row, "promotion_reason": "skipped: " + "a reason that goes on " * 10})
+    assert len(long) == 100 and long.endswith("... | 1234 s, cpu 2346 s"), long
+    decided = iteration_line({**row, "promoted": False, "gate_challenger_pass1": 0.155, "gate_champion_pass1": 0.11,
+                              "gain_low": -0.036, "gain_high": 0.136, "champion_version": 10})
+    assert decided == \
+        "iteration 12 | reward 0.117 | signal 100% | gate +0.045 [-0.036,+0.136] kept v10 | 1234 s cpu 2346 s"

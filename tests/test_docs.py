@@ -230,3 +230,20 @@ def test_score_sample_gives_the_documented_results(tmp_path) -> None:
 def test_generated_pages_are_written(tmp_path, page) -> None:
     docs_reference.write_reference(tmp_path)
     assert (tmp_path / page).read_text().startswith("# ")
+
+
+def test_readme_demo_numbers_are_the_results_file():
+    """The README's demo block is what `benchmarks/demo.py --readme` writes from benchmarks/results/demo.json,
+    the file the measured run saved: numbers typed by hand, or left from an older run, fail here."""
+    from benchmarks.demo import END, README, RESULT, START, readme_block
+
+    result = json.loads(RESULT.read_text())
+    text = README.read_text()
+    assert START in text and END in text, "the README lost its demo block"
+    block = START + text.split(START, 1)[1].split(END, 1)[0] + END
+    assert block == readme_block(result), "README's demo numbers differ from benchmarks/results/demo.json: " \
+        "run `.venv/bin/python benchmarks/demo.py --readme`"
+    assert result["iterations"] == 6 and len(result["iteration_lines"]) == 6 and result["versus"]
+    assert all(len(line) <= 100 for line in result["iteration_lines"])
+    for shot in ("demo-lines.svg", "mlflow-curve.png"):
+        assert (ROOT / "docs" / "assets" / shot).stat().st_size > 1000, shot

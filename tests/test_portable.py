@@ -73,7 +73,8 @@ def test_moved_campaign_continues(tmp_path, api_url, monkeypatch, preloaded):
     # a line as the iteration ends (reward, groups with signal, the gate with its interval, cost), and a final
     # table that fits 100 columns
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("iteration 1 | reward ")]
-    assert len(line) <= 100 and "groups with signal" in line and re.search(r"\| gate [-+]\d\.\d{3} \[", line), line
+    assert len(line) <= 100 and re.search(r"\| signal \d+% \|", line), line
+    assert re.search(r"\| gate [-+]\d\.\d{3} \[", line) and re.search(r"\| \d+ s, cpu \d+ s$", line), line
     assert "| INFO    |" not in result.stderr, "Prefect's INFO lines on the terminal (evertrain run --verbose only)"
     table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
     assert len(table) >= 5 and max(len(line) for line in table) <= 100, result.stdout
