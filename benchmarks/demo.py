@@ -87,7 +87,13 @@ def screenshot_mlflow(home: Path, campaign: str) -> Path:
     in headless Chromium driven by Playwright (`pip install playwright`; the system's Chromium, no download)."""
     import urllib.request
 
-    from playwright.sync_api import sync_playwright
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as error:
+        raise SystemExit("--screenshots drives Chromium with Playwright: `.venv/bin/pip install playwright` (the "
+                         "system's Chromium is used, no browser is downloaded)") from error
+    if shutil.which("chromium") is None:
+        raise SystemExit("--screenshots needs Chromium on PATH (Debian: apt-get install chromium)")
 
     import mlflow
 
