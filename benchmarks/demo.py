@@ -82,18 +82,23 @@ def screenshot_lines(result: dict[str, Any]) -> Path:
     return path
 
 
+def check_screenshot_tools() -> None:
+    """Before the ten-minute run, not after it: Playwright and the system's Chromium."""
+    import importlib.util
+
+    if importlib.util.find_spec("playwright") is None:
+        raise SystemExit("--screenshots drives Chromium with Playwright: `.venv/bin/pip install playwright` (the "
+                         "system's Chromium is used, no browser is downloaded)")
+    if shutil.which("chromium") is None:
+        raise SystemExit("--screenshots needs Chromium on PATH (Debian: apt-get install chromium)")
+
+
 def screenshot_mlflow(home: Path, campaign: str) -> Path:
     """MLflow's model-metrics charts of the campaign's run (every iteration a step): the score stage's, taken
     in headless Chromium driven by Playwright (`pip install playwright`; the system's Chromium, no download)."""
     import urllib.request
 
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError as error:
-        raise SystemExit("--screenshots drives Chromium with Playwright: `.venv/bin/pip install playwright` (the "
-                         "system's Chromium is used, no browser is downloaded)") from error
-    if shutil.which("chromium") is None:
-        raise SystemExit("--screenshots needs Chromium on PATH (Debian: apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
 
     import mlflow
 
@@ -185,6 +190,9 @@ def main() -> None:
         print(f"rewrote the demo block of {README.relative_to(ROOT)} from {RESULT.relative_to(ROOT)}")
         return
     from benchmarks.common import print_table, save
+
+    if args.screenshots:
+        check_screenshot_tools()
 
     home = Path(tempfile.mkdtemp(prefix="evertrain-demo-"))
     try:
