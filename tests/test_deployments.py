@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from evertrain.data.store import Store
-from tests.conftest import smoke_config_in, store_uri
+from tests.conftest import prefect_home, smoke_config_in, store_uri
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +58,13 @@ def _finished_runs(directory: Path, campaign: str) -> int:
     return int(row[0])
 
 
-def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir):
+def test_serve_runs_two_scheduled_iterations(tmp_path, models_dir, prefect_database):
     """No PREFECT_API_URL: `evertrain serve` starts a real Prefect server (with its scheduler) itself."""
     config = _config_file(tmp_path, models_dir, "served")
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "EVERTRAIN_KILL_AT")}
     # the runner asks for scheduled runs every 2 s, not every 10 s: each iteration's run starts sooner
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), EVERTRAIN_PROGRESS="0", PREFECT_RUNNER_POLL_FREQUENCY="2")
+    env.update(PREFECT_HOME=str(prefect_home(tmp_path / "prefect-home", prefect_database)), EVERTRAIN_PROGRESS="0",
+               PREFECT_RUNNER_POLL_FREQUENCY="2")
     # output to a file: the runner logs every skipped schedule, and an undrained pipe would stall it
     log = tmp_path / "serve.log"
     with open(log, "w") as out:

@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import smoke_config_in
+from tests.conftest import prefect_home, smoke_config_in
 
 
-def _start_run(tmp_path, models_dir, name: str, group: bool = False,
+def _start_run(tmp_path, models_dir, database: Path, name: str, group: bool = False,
                ) -> tuple[subprocess.Popen, list[psutil.Process], Path]:
     """`evertrain run` of a long campaign in a child process, once it is inside an iteration: (the process, its
     temporary Prefect server, the log)."""
@@ -28,7 +28,7 @@ def _start_run(tmp_path, models_dir, name: str, group: bool = False,
     path.write_text(json.dumps(config.model_dump(mode="json")))
     # no Prefect server of the suite's: the run starts Prefect's temporary one, as `make demo` does
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(EVERTRAIN_PROGRESS="0", PREFECT_HOME=str(tmp_path / "prefect"))
+    env.update(EVERTRAIN_PROGRESS="0", PREFECT_HOME=str(prefect_home(tmp_path / "prefect", database)))
     log = tmp_path / "run.log"
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "run", "--config", str(path),
@@ -55,8 +55,8 @@ def _cleanup(process: subprocess.Popen, servers: list[psutil.Process]) -> None:
             server.kill()
 
 
-def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir):
-    process, servers, log = _start_run(tmp_path, models_dir, "sigterm")
+def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir, prefect_database):
+    process, servers, log = _start_run(tmp_path, models_dir, prefect_database, "sigterm")
     try:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
@@ -67,10 +67,10 @@ def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_d
         _cleanup(process, servers)
 
 
-def test_a_second_sigterm_stops_at_once(tmp_path, models_dir):
+def test_a_second_sigterm_stops_at_once(tmp_path, models_dir, prefect_database):
     """Issue 45: given SIGTERM twice, `evertrain run` stopped its temporary server first and then retried reporting
     to it for more than five minutes. The second signal now stops the server and exits."""
-    process, servers, log = _start_run(tmp_path, models_dir, "twice")
+    process, servers, log = _start_run(tmp_path, models_dir, prefect_database, "twice")
     try:
         process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -82,10 +82,10 @@ def test_a_second_sigterm_stops_at_once(tmp_path, models_dir):
         _cleanup(process, servers)
 
 
-def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir):
+def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir, prefect_database):
     """A terminal's Ctrl-C sends SIGINT to the whole foreground group: it reached Prefect's temporary server too,
     which died first, and the run then retried reporting to it. The server now has a session of its own."""
-    process, servers, log = _start_run(tmp_path, models_dir, "ctrl-c", group=True)
+    process, servers, log = _start_run(tmp_path, models_dir, prefect_database, "ctrl-c", group=True)
     try:
         os.killpg(process.pid, signal.SIGINT)
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
@@ -96,10 +96,10 @@ def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir):
         _cleanup(process, servers)
 
 
-def test_a_sigkilled_run_leaves_no_prefect_server(tmp_path, models_dir):
+def test_a_sigkilled_run_leaves_no_prefect_server(tmp_path, models_dir, prefect_database):
     """Issue 45: a SIGKILLed `evertrain run` left its temporary Prefect server running. The server is tied to the
     run's life (Linux's parent-death signal) and goes with it."""
-    process, servers, _log = _start_run(tmp_path, models_dir, "killed")
+    process, servers, _log = _start_run(tmp_path, models_dir, prefect_database, "killed")
     try:
         process.kill()
         process.wait(timeout=30)
@@ -211,13 +211,13 @@ def test_prefect_s_termination_signal_in_the_chain_counts_as_an_interruption():
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_evertrain_ui_stops_both_servers(tmp_path, how):
+def test_evertrain_ui_stops_both_servers(tmp_path, how, prefect_database):
     """SIGTERM to `evertrain ui` stops its Prefect and MLflow servers as Ctrl-C does (before: both kept running),
     and a SIGKILLed one leaves neither behind."""
     from evertrain.services import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), EVERTRAIN_HOME=str(tmp_path))
+    env.update(PREFECT_HOME=str(prefect_home(tmp_path / "prefect", prefect_database)), EVERTRAIN_HOME=str(tmp_path))
     log = tmp_path / "ui.log"
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "ui", "--prefect-port", str(free_port()),
