@@ -8,7 +8,7 @@ report's rows and the champion-against-base lines. `--readme` then rewrites the 
 at 100 columns) and docs/assets/mlflow-curve.png (MLflow's chart of the campaign over its iterations, taken in
 headless Chromium).
 
-    .venv/bin/python benchmarks/demo.py [--iterations 6] [--screenshots]   # about 7 minutes on 2 Xeon cores
+    .venv/bin/python benchmarks/demo.py [--iterations 6] [--screenshots]   # about 10 minutes on 2 cores
     .venv/bin/python benchmarks/demo.py --readme                           # README from the saved results
 """
 
@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,12 +61,6 @@ def update_readme(result: dict[str, Any]) -> None:
     README.write_text(head + readme_block(result) + tail)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def screenshot_lines(result: dict[str, Any]) -> Path:
     """The per-iteration lines at 100 columns, as a terminal draws them (an SVG rich records)."""
     from rich.console import Console
@@ -93,34 +86,22 @@ def check_screenshot_tools() -> None:
         raise SystemExit("--screenshots needs Chromium on PATH (Debian: apt-get install chromium)")
 
 
-def screenshot_mlflow(home: Path, campaign: str) -> Path:
+def screenshot_mlflow(home: Path, campaign: str, path: Path = ASSETS / "mlflow-curve.png") -> Path:
     """MLflow's model-metrics charts of the campaign's run (every iteration a step): the score stage's, taken
     in headless Chromium driven by Playwright (`pip install playwright`; the system's Chromium, no download)."""
-    import urllib.request
-
     from playwright.sync_api import sync_playwright
 
     import mlflow
+    from evertrain import processes
+    from evertrain.services import start_mlflow
 
-    database = home / "mlflow" / "mlflow.db"  # where the demo's config puts it, under the project home
-    uri = f"sqlite:///{database}"
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"  # where the demo's config puts it, under the project home
     client = mlflow.MlflowClient(uri)
     experiment = client.get_experiment_by_name(f"evertrain/{campaign}")
     run = client.search_runs([experiment.experiment_id], f"tags.mlflow.runName = 'campaign-{campaign}'")[0]
-    port = free_port()
-    server = subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "mlflow"), "server", "--backend-store-uri", uri, "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=home)
-    path = ASSETS / "mlflow-curve.png"
+    server = start_mlflow(home / "screenshot", uri)  # the project's own start: waits until it answers
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        url = (f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
-               "/model-metrics")
+        url = f"{server['url']}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics"
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 2400})  # tall: every score chart drawn
@@ -138,8 +119,7 @@ def screenshot_mlflow(home: Path, campaign: str) -> Path:
             page.screenshot(path=str(path), clip={"x": top["x"] - 45, "y": top["y"] - 25, "width": 820, "height": 720})
             browser.close()
     finally:
-        server.terminate()
-        server.wait(30)
+        processes.stop([server["pid"]], timeout=20)
     return path
 
 

@@ -12,16 +12,16 @@ def _gate_interval(rows: list[dict[str, Any]], key: str, share_key: str | None) 
     """The 95% Wilson interval of each row's gate pass@1 as errorbar extents (below, above); 0 where unknown."""
     from evertrain.stats import wilson
 
-    below, above = [], []
-    for r in rows:
+    def extent(r: dict[str, Any]) -> tuple[float, float]:
         value, problems = r.get(key), r.get("gate_problems")
         if value is None or not problems:
-            below.append(0.0), above.append(0.0)
-            continue
+            return 0.0, 0.0
         n = max(1, round(problems * (r.get(share_key) or 1.0) if share_key else problems))
         low, high = wilson(round(value * n), n)
-        below.append(max(0.0, value - low)), above.append(max(0.0, high - value))
-    return below, above
+        return max(0.0, value - low), max(0.0, high - value)
+
+    below, above = zip(*map(extent, rows), strict=True) if rows else ((), ())
+    return list(below), list(above)
 
 
 def progress_figure(rows: list[dict[str, Any]], title: str = "", sealed: list[dict[str, Any]] | None = None) -> Any:
