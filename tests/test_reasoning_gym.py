@@ -322,15 +322,17 @@ WRAPPED = sorted({*rg.SCORER_FIXES, *rg.SYMBOLIC, *rg.INPUT_CHECKS, "binary_matr
                   "bitwise_arithmetic", "number_sorting"})
 
 
-@pytest.mark.parametrize("generator", WRAPPED)
-def test_quality_validation_passes(generator):
-    """The verifier self-test of every wrapped generator (the CLI and CI run it for all 106)."""
-    from evertrain.envs.quality import validate
+def test_ci_runs_the_verifier_self_test_of_every_generator():
+    """The self-test of the wrapped generators (``evertrain.envs.quality.validate``, known-good answers earn 1 and
+    a battery of known-bad ones 0) ran here once per wrapped generator: 43 s of the suite on two cores (#47). It is
+    the same check that CI's ``evertrain envs --validate 1`` step runs for every environment, all 106 generators
+    among them, failing the build on any: that step must stay in CI."""
+    from evertrain.envs.quality import validate  # noqa: F401  (the check CI runs)
+    from tests.conftest import ROOT
 
-    report = validate(rg.ReasoningGym(generator, eval_size=1), problems=1)
-    assert report.ok, report.failures
-    if generator not in rg.RG_REFERENCE_EXCEPTIONS:  # rush_hour's fix validates moves: it has no reference
-        assert report.by_label()["good"]["cases"] >= 1
+    steps = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert any("evertrain envs --validate" in line and "--json" in line for line in steps)
+    assert WRAPPED and set(WRAPPED) <= set(GENERATORS)
 
 
 def test_items_whose_oracle_is_an_unevaluated_integral_are_left_out():
