@@ -261,7 +261,7 @@ def _result_line(result: dict[str, Any]) -> str:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from evertrain.tasks.base import progress
+    from evertrain.progress import progress
 
     source = Path(args.input)
     if not source.is_file():
@@ -750,7 +750,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
     import time
 
-    from evertrain import processes
+    from evertrain import processes, services
     from evertrain.config import load_config
 
     paths = load_config(None).paths  # the defaults, anchored to the project home
@@ -764,7 +764,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
                           "--port", str(args.prefect_port)], env=prefect_env, preexec_fn=tied),
         subprocess.Popen([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", paths.mlflow_uri,
                           "--default-artifact-root", Path(paths.artifacts).resolve().as_uri(),
-                          "--host", args.host, "--port", str(args.mlflow_port)], preexec_fn=tied),
+                          "--host", args.host, "--port", str(args.mlflow_port)],
+                         env=services.mlflow_server_env(dict(os.environ)), preexec_fn=tied),
     ]
 
     def _stop(signum: int, _frame: object) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -21,15 +20,6 @@ STAGES = ("curate", "rollout", "score", "update", "evaluate", "promote")
 OPTIONAL_STAGES = ("sft",)  # run only when configured (sft.enabled), between score and update
 
 StageFunction = Callable[[Runtime, int], dict[str, Any]]
-
-
-def progress(total: int, desc: str, unit: str = "it") -> Any:
-    """A progress bar on stderr (off when EVERTRAIN_PROGRESS=0)."""
-    from tqdm.auto import tqdm
-
-    disable = os.environ.get("EVERTRAIN_PROGRESS", "1") == "0"
-    return tqdm(total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr, leave=False,
-                dynamic_ncols=True)
 
 
 def current_flow_run_id() -> str | None:

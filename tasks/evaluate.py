@@ -48,10 +48,11 @@ from evertrain.envs.base import Problem
 from evertrain.inference.base import SampleJob
 from evertrain.models.checkpoint import encode_chat
 from evertrain.models.precision import sampling_dtype
+from evertrain.progress import progress
 from evertrain.runtime import Runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
 from evertrain.stats import efficacy_boundaries, paired_bootstrap, z_statistic
-from evertrain.tasks.base import progress, run_stage
+from evertrain.tasks.base import run_stage
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -21,8 +21,9 @@ from evertrain.envs.base import Problem
 from evertrain.inference.base import SampleJob, SamplingStats
 from evertrain.inference.episodes import Episode
 from evertrain.models.checkpoint import encode_chat
+from evertrain.progress import progress
 from evertrain.runtime import Runtime, seed_for
-from evertrain.tasks.base import progress, run_stage
+from evertrain.tasks.base import run_stage
 
 
 def sample_groups(rt: Runtime, iteration: int, problems: pd.DataFrame, version: int, checkpoint: Path,

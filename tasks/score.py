@@ -22,9 +22,10 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
+from evertrain.progress import progress
 from evertrain.runtime import Runtime
 from evertrain.scoring import grader_errors, pop_sandbox_runs
-from evertrain.tasks.base import progress, run_stage
+from evertrain.tasks.base import run_stage
 
 
 def score(rt: Runtime, iteration: int) -> dict[str, Any]:

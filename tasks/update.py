@@ -77,8 +77,9 @@ from evertrain.models.grpo import (
 )
 from evertrain.models.logprobs import grouped_logprobs
 from evertrain.models.precision import autocast, enable_gradient_checkpointing, resolve_device, update_precision
+from evertrain.progress import progress
 from evertrain.runtime import Runtime, seed_for
-from evertrain.tasks.base import progress, run_stage
+from evertrain.tasks.base import run_stage
 from evertrain.tasks.warm_start import checkpoint_for, start_version_of
 
 _WARNED_FRESH: set[str] = set()  # campaigns whose fresh optimizer state this process has warned about

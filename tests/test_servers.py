@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from evertrain import services
@@ -167,6 +168,9 @@ def test_worker_runs_a_triggered_iteration_then_resumes_after_sigkill(servers, m
     assert set(final["stages"].values()) == {"completed"} and len(final["stages"]) == 12
     assert final["promotions"] == 2
     assert sorted(_mlflow_runs(servers, "team")) == ["FINISHED", "FINISHED"]  # iteration 1's run was continued
+    # the MLflow server runs without MLflow 3's job runner (seven huey_consumer processes evertrain never uses)
+    assert not [p.pid for p in psutil.Process(servers["mlflow"]["pid"]).children(recursive=True)
+                if "huey" in " ".join(p.cmdline())]
     # the data files live under the shared data path, the catalog in PostgreSQL
     lake = Path(servers["env"]["EVERTRAIN_STORE"].partition("?data_path=")[2])
     assert any(lake.rglob("*.parquet"))
