@@ -35,14 +35,18 @@ def quiet_libraries() -> None:
 
 def quiet_prefect_console(level: str = "WARNING") -> None:
     """Prefect's INFO lines (flow and task runs created, finished) off the terminal; the Prefect UI keeps them:
-    they reach its API through another handler. Applies to this process's logging set-up as it is (also where
-    Prefect was imported before), not to the processes it starts: the temporary Prefect server's start is read
-    from its INFO lines."""
+    they reach its API through another handler. Both ways: the console handlers Prefect has already set up (where
+    it was imported before) and every later set-up of its logging, in this process and the ones it starts, through
+    Prefect's override ``PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL`` (a value the caller set is kept). Prefect sets its
+    logging up again after import (a plain `evertrain run` showed every flow run's INFO lines when only the handlers
+    of the moment were quieted)."""
     import logging
 
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
     import prefect  # noqa: F401 - its logging set-up runs on import
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    level = os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"]
     loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):

@@ -77,9 +77,10 @@ class Preloader:
         return answer["result"]
 
     def start(self, args: list[str], *, cwd: Path, env: dict[str, str], stdout: Path,
-              stderr: Path | None = None) -> int:
+              stderr: Path | None = None, session: bool = False) -> int:
         """Start ``evertrain ARGS`` in ``cwd``, its output to ``stdout`` (and its errors to ``stderr``, else to
-        the same file); returns its pid."""
+        the same file); returns its pid. ``session``: in a session (and process group) of its own, as
+        ``subprocess.Popen(..., start_new_session=True)`` starts one."""
         if _comparable(env) != _comparable(self.env):
             differ = sorted(k for k in set(env) | set(self.env) if k not in LATE and env.get(k) != self.env.get(k))
             raise ValueError(f"a run's environment differs from its preloader's in {differ}: start another")
@@ -87,12 +88,12 @@ class Preloader:
             with open(stdout, "w") as out, open(stderr or os.devnull, "w") as err:
                 run = subprocess.Popen([sys.executable, "-m", "evertrain.cli", *args], cwd=cwd, env=env,
                                        stdout=out, stderr=err if stderr else subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL, start_new_session=session)
             self.plain[run.pid] = run
             return run.pid
         late = {k: env[k] for k in LATE if k in env}
         return int(self._ask({"start": {"args": args, "cwd": str(cwd), "late": late, "stdout": str(stdout),
-                                        "stderr": str(stderr or stdout)}}))
+                                        "stderr": str(stderr or stdout), "session": session}}))
 
     def poll(self, pid: int) -> int | None:
         """The run's exit status if it has ended, else None."""
@@ -164,7 +165,9 @@ def _status(code: int) -> int:
 
 
 def _child(request: dict[str, Any]) -> list[str]:
-    """In the forked run: its own working directory, output, late variables and random state."""
+    """In the forked run: its own working directory, output, late variables, random state (and session)."""
+    if request.get("session"):
+        os.setsid()
     os.chdir(request["cwd"])
     for key in LATE:
         os.environ.pop(key, None)

@@ -17,23 +17,54 @@ import psutil
 import pytest
 
 from tests.conftest import prefect_home, smoke_config_in
+from tests.preloaded import Preloader
 
 
-def _start_run(tmp_path, models_dir, database: Path, name: str, group: bool = False,
-               ) -> tuple[subprocess.Popen, list[psutil.Process], Path]:
+class _Run:
+    """An `evertrain run` forked from the module's preloader (tests/preloaded.py): a process of its own, started
+    without 7 CPU-seconds of imports, waited for and signalled by its pid as a ``subprocess.Popen`` would be."""
+
+    def __init__(self, preloader: Preloader, pid: int) -> None:
+        self.preloader, self.pid = preloader, pid
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        return self.preloader.poll(self.pid)
+
+    def wait(self, timeout: float) -> int:
+        """The exit status (negative: the signal that ended it); killed, and so negative, past ``timeout``."""
+        return self.preloader.wait(self.pid, timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, prefect_database, preloaded) -> tuple[Preloader, dict[str, str]]:
+    """The preloader of this module's runs and their environment: no Prefect server of the suite's (each run
+    starts Prefect's temporary one, as `make demo` does), in one PREFECT_HOME (a copy of the migrated database)
+    that the runs use one after the other (a forked run has its preloader's environment)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL")}
+    env.update(EVERTRAIN_PROGRESS="0",
+               PREFECT_HOME=str(prefect_home(tmp_path_factory.mktemp("prefect"), prefect_database)))
+    return preloaded(env), env
+
+
+def _start_run(tmp_path, models_dir, runs: tuple[Preloader, dict[str, str]], name: str, group: bool = False,
+               ) -> tuple[_Run, list[psutil.Process], Path]:
     """`evertrain run` of a long campaign in a child process, once it is inside an iteration: (the process, its
     temporary Prefect server, the log)."""
     config = smoke_config_in(tmp_path, models_dir, name=name)
     path = tmp_path / "campaign.json"
     path.write_text(json.dumps(config.model_dump(mode="json")))
-    # no Prefect server of the suite's: the run starts Prefect's temporary one, as `make demo` does
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(EVERTRAIN_PROGRESS="0", PREFECT_HOME=str(prefect_home(tmp_path / "prefect", database)))
+    preloader, env = runs
     log = tmp_path / "run.log"
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "run", "--config", str(path),
-                                    "--iterations", "50"], cwd=tmp_path, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=group)
+    # --verbose: Prefect's INFO lines on, to see the run enter an iteration
+    process = _Run(preloader, preloader.start(["run", "--config", str(path), "--iterations", "50", "--verbose"],
+                                              cwd=tmp_path, env=env, stdout=log, session=group))
     servers: list[psutil.Process] = []
     deadline = time.monotonic() + 240
     while not servers and time.monotonic() < deadline and process.poll() is None:
@@ -42,21 +73,23 @@ def _start_run(tmp_path, models_dir, database: Path, name: str, group: bool = Fa
             servers = [p for p in psutil.Process(process.pid).children(recursive=True)
                        if "uvicorn" in " ".join(p.cmdline())]
     if not servers:
-        process.kill()
+        _cleanup(process, [])
         pytest.fail(f"no temporary Prefect server seen: {log.read_text()[-3000:]}")
     return process, servers, log
 
 
-def _cleanup(process: subprocess.Popen, servers: list[psutil.Process]) -> None:
+def _cleanup(process: subprocess.Popen | _Run, servers: list[psutil.Process]) -> None:
     if process.poll() is None:
         process.kill()
+    if isinstance(process, _Run):
+        process.wait(timeout=30)  # reaped by its preloader
     for server in servers:
         with contextlib.suppress(psutil.Error):
             server.kill()
 
 
-def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir, prefect_database):
-    process, servers, log = _start_run(tmp_path, models_dir, prefect_database, "sigterm")
+def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_dir, runs):
+    process, servers, log = _start_run(tmp_path, models_dir, runs, "sigterm")
     try:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
@@ -67,10 +100,10 @@ def test_sigterm_stops_a_run_and_its_temporary_prefect_server(tmp_path, models_d
         _cleanup(process, servers)
 
 
-def test_a_second_sigterm_stops_at_once(tmp_path, models_dir, prefect_database):
+def test_a_second_sigterm_stops_at_once(tmp_path, models_dir, runs):
     """Issue 45: given SIGTERM twice, `evertrain run` stopped its temporary server first and then retried reporting
     to it for more than five minutes. The second signal now stops the server and exits."""
-    process, servers, log = _start_run(tmp_path, models_dir, prefect_database, "twice")
+    process, servers, log = _start_run(tmp_path, models_dir, runs, "twice")
     try:
         process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -82,10 +115,10 @@ def test_a_second_sigterm_stops_at_once(tmp_path, models_dir, prefect_database):
         _cleanup(process, servers)
 
 
-def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir, prefect_database):
+def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir, runs):
     """A terminal's Ctrl-C sends SIGINT to the whole foreground group: it reached Prefect's temporary server too,
     which died first, and the run then retried reporting to it. The server now has a session of its own."""
-    process, servers, log = _start_run(tmp_path, models_dir, prefect_database, "ctrl-c", group=True)
+    process, servers, log = _start_run(tmp_path, models_dir, runs, "ctrl-c", group=True)
     try:
         os.killpg(process.pid, signal.SIGINT)
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
@@ -96,10 +129,10 @@ def test_ctrl_c_in_a_terminal_stops_the_run_in_order(tmp_path, models_dir, prefe
         _cleanup(process, servers)
 
 
-def test_a_sigkilled_run_leaves_no_prefect_server(tmp_path, models_dir, prefect_database):
+def test_a_sigkilled_run_leaves_no_prefect_server(tmp_path, models_dir, runs):
     """Issue 45: a SIGKILLed `evertrain run` left its temporary Prefect server running. The server is tied to the
     run's life (Linux's parent-death signal) and goes with it."""
-    process, servers, _log = _start_run(tmp_path, models_dir, prefect_database, "killed")
+    process, servers, _log = _start_run(tmp_path, models_dir, runs, "killed")
     try:
         process.kill()
         process.wait(timeout=30)

@@ -54,6 +54,7 @@ def test_readers_see_whole_stages_while_a_campaign_writes(tmp_path, models_dir, 
     config_file.write_text(json.dumps(config.model_dump(mode="json")))
     env = {**os.environ, "PREFECT_API_URL": api_url, "EVERTRAIN_PROGRESS": "0"}
     env.pop("EVERTRAIN_KILL_AT", None)
+    env.pop("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", None)  # the run's own default, not this process's
     observations, stop = tmp_path / "seen.jsonl", tmp_path / "stop"
     # output to files, not pipes: nobody reads a pipe until the end, and a full one would stall the campaign
     reader_log, writer_log = open(tmp_path / "reader.log", "w"), open(tmp_path / "writer.log", "w")  # noqa: SIM115
@@ -78,6 +79,8 @@ def test_readers_see_whole_stages_while_a_campaign_writes(tmp_path, models_dir, 
     reader_log.close()
     writer_log.close()
     assert writer.returncode == 0, (tmp_path / "writer.log").read_text()[-3000:]
+    # without --verbose, Prefect's INFO lines stay off the terminal (they did in a plain run: #47)
+    assert "| INFO " not in (tmp_path / "writer.log").read_text()
     assert reader.returncode == 0, (tmp_path / "reader.log").read_text()[-3000:]
     assert answers, "evertrain sql never answered while the campaign ran"
 
