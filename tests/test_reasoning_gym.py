@@ -349,6 +349,23 @@ def test_a_fake_score_line_in_a_decoded_answer_earns_nothing():
     assert verdict.reward == 0.0 and verdict.reason == "wrong_answer"
 
 
+@pytest.mark.parametrize("generator", ["basic_arithmetic", "caesar_cipher", "number_sorting", "count_primes"])
+def test_probes_graded_together_get_the_verdicts_graded_alone_in_one_sandbox(generator):
+    """The quality check's probes (the project's own answers, never a policy's) of one generator are scored in one
+    sandbox, each in a process forked from the one that loaded the generator: the verdicts of one sandbox each."""
+    from evertrain.envs.quality import CURATION_PROBES, probes_for
+
+    env = rg.ReasoningGym(generator, eval_size=2)
+    problems = env.problems("train", 4, 3)
+    items = [(p, c) for p in problems for _, c in probes_for(env, p, None, CURATION_PROBES)]
+    items += [(p, reference) for p in problems if (reference := env.reference(p))]  # right answers: both outcomes
+    alone, together = [env.verify(p, c) for p, c in items], env.verify_probes(items)
+    assert [(v.reward, v.passed, v.reason) for v in together] == [(v.reward, v.passed, v.reason) for v in alone]
+    assert any(v.passed for v in together) and any(v.reason in ("wrong_answer", "partial_credit") for v in together)
+    assert len({row["run_id"] for v in together for row in v.detail.get("sandbox_runs", [])}) == 1
+    assert len({row["run_id"] for v in alone for row in v.detail.get("sandbox_runs", [])}) > 1
+
+
 def _record(stdout: str, exit_code: int | None = 0, limit_hit: str | None = None) -> SandboxRunRecord:
     return SandboxRunRecord(run_id="r", purpose=rg.SCORER_PURPOSE, code_sha256="x", limits=Limits(),
                             exit_code=exit_code, signal=None, wall_s=0.1, cpu_s=0.1, peak_rss_kb=1, stdout_bytes=0,

@@ -161,6 +161,13 @@ class Environment(ABC):
     def verify(self, problem: Problem, completion: str) -> Verdict:
         """Grade ``completion``. Never raises because of what the completion contains."""
 
+    def verify_probes(self, items: list[tuple[Problem, str]]) -> list[Verdict]:
+        """:meth:`verify` of each ``(problem, completion)``, for the project's own probe completions (the quality
+        check's, :func:`evertrain.envs.quality.probe`), never a policy's: an environment may grade them together
+        (reasoning-gym batches its sandboxed scorer runs). May raise where :meth:`verify` would not: the caller
+        grades one by one then."""
+        return [self.verify(problem, completion) for problem, completion in items]
+
     def reference(self, problem: Problem) -> str | None:
         """A completion that must earn reward 1 (used to validate the environment), if one exists."""
         return None

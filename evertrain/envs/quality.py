@@ -438,8 +438,10 @@ def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE
     and the share of items each passes. Reusable on any :class:`Environment` (imported verifiers included).
 
     Cost: one grade per probe and item (about 7 for an answer environment, 1 for code, 5 for the terminal),
-    graded on ``workers`` threads; ``graded`` ((problem id, completion) -> reward, e.g. the self-test's cases)
-    holds grades already made, which are reused; ``answers``: only these of the generic answer probes."""
+    graded on ``workers`` threads, or with ``workers=1`` together through :meth:`Environment.verify_probes` (a
+    reasoning-gym environment scores them in one sandbox, a forked process each: 41 against 2.3 CPU-seconds for
+    the probes of 19 generators, Intel Xeon); ``graded`` ((problem id, completion) -> reward, e.g. the self-test's
+    cases) holds grades already made, which are reused; ``answers``: only these of the generic answer probes."""
     report = ProbeReport(env.name, len(problems), threshold)
     started = time.monotonic()
     oracles = [a for a in (env.oracle_answer(p) for p in problems) if a]
@@ -461,8 +463,14 @@ def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE
     if workers > 1 and len(todo) > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(run, todo))
-    else:
-        results = [run(case) for case in todo]
+    else:  # together (one sandbox for an environment's sandboxed scorer runs where it batches them), else one by one
+        fresh = [case for case in todo if graded is None or (case[0].id, case[2]) not in graded]
+        try:
+            verdicts = env.verify_probes([(problem, completion) for problem, _, completion in fresh])
+            together = {id(case): (float(v.reward), None) for case, v in zip(fresh, verdicts, strict=True)}
+        except Exception:  # graded one by one, where each error is reported against its item
+            together = {}
+        results = [together[id(case)] if id(case) in together else run(case) for case in todo]
     for (problem, label, _), (reward, error) in zip(todo, results, strict=True):
         result = report.probes.setdefault(label, ProbeResult(label))
         result.items += 1

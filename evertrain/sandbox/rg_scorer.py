@@ -189,11 +189,14 @@ def main():
     import json
     request = json.loads(b"".join(chunks))
     chunks = None
-    nonce = request.pop("nonce")
     report_fd = os.dup(1)  # the only channel the grade is read from; the scorer's stdout goes nowhere
     devnull = os.open("/dev/null", os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
+    if request.get("mode") == "batch":
+        _batch(request, report_fd)
+        os._exit(0)
+    nonce = request.pop("nonce")
 
     def report(kind, text):
         os.write(report_fd, f"{nonce} {kind} {text}\n".encode())
@@ -210,6 +213,47 @@ def main():
         report("tree", json.dumps(tree))
     try:
         dataset = _load(request)
+    except BaseException as error:
+        report("error", "scorer_load_failed " + json.dumps(repr(error)[:300]))
+    _score(dataset, request, report)
+
+
+def _batch(request, report_fd):
+    """Many answers to one generator's items (the project's own probes, never a policy's completions): the
+    generator's module is loaded once, here, and each answer is scored in a process forked from this one, alone
+    (its own audit hook, eval and exit), as a single request's would be. A child that ends without a clean exit
+    gets a crash line for its nonce."""
+    import json
+    items = request.pop("items")
+    try:
+        dataset = _load(request)
+    except BaseException as error:
+        for item in items:
+            os.write(report_fd, f"{item['nonce']} error scorer_load_failed {json.dumps(repr(error)[:300])}\n".encode())
+        return
+    for item in items:
+        pid = os.fork()
+        if pid == 0:
+            nonce = item["nonce"]
+
+            def report(kind, text, nonce=nonce):
+                os.write(report_fd, f"{nonce} {kind} {text}\n".encode())
+                os._exit(0)
+
+            try:
+                _score(dataset, {**request, "entry": item["entry"], "answer": item["answer"], "tree": None},
+                       report)
+            finally:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            os.write(report_fd, f"{item['nonce']} error scorer_crashed {status}\n".encode())
+
+
+def _score(dataset, request, report):
+    """Score ``request``'s answer with ``dataset``'s scorer and ``report`` it (which exits the process)."""
+    import json
+    try:
         entry, answer = request["entry"], request["answer"]
         _revive(entry, request["revive"])
         if request.get("tree") is not None:  # phase two: rebuild the answer from plain data, no eval
