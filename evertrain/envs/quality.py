@@ -439,9 +439,10 @@ def probe(env: Environment, problems: list[Problem], *, threshold: float = PROBE
 
     Cost: one grade per probe and item (about 7 for an answer environment, 1 for code, 5 for the terminal),
     graded on ``workers`` threads, or with ``workers=1`` together through :meth:`Environment.verify_probes` (a
-    reasoning-gym environment scores them in one sandbox, a forked process each: 41 against 2.3 CPU-seconds for
-    the probes of 19 generators, Intel Xeon); ``graded`` ((problem id, completion) -> reward, e.g. the self-test's
-    cases) holds grades already made, which are reused; ``answers``: only these of the generic answer probes."""
+    reasoning-gym environment scores them in one sandbox, a forked process each: 2.1 against 35.6 CPU-seconds
+    for 467 probes of 17 generators, benchmarks/probe_batch.py on an Intel Xeon); ``graded`` ((problem id,
+    completion) -> reward, e.g. the self-test's cases) holds grades already made, which are reused; ``answers``:
+    only these of the generic answer probes."""
     report = ProbeReport(env.name, len(problems), threshold)
     started = time.monotonic()
     oracles = [a for a in (env.oracle_answer(p) for p in problems) if a]

@@ -1128,7 +1128,8 @@ def score_many_in_sandbox(generator: str, items: list[tuple[str, dict[str, Any]]
                           config: dict[str, Any] | None = None) -> list[ScoreResult]:
     """:func:`score_in_sandbox` for many ``(answer, entry)`` of one generator in one sandbox: its module is loaded
     once and each answer is scored in a process forked from that one (alone, as a single run scores it), so an
-    answer costs a fork instead of an interpreter and an import (about 45 against 5 CPU-milliseconds, Intel Xeon).
+    answer costs a fork instead of an interpreter and an import (about 5 CPU-milliseconds against 75:
+    benchmarks/probe_batch.py, Intel Xeon).
     For the project's own answers only (the quality check's probes), never a policy's: every result shares the
     batch's sandbox record. Symbolic generators (graded in two runs), and every item of a batch whose sandbox hit
     a limit or failed, are scored one run each."""
