@@ -366,6 +366,22 @@ def test_probes_graded_together_get_the_verdicts_graded_alone_in_one_sandbox(gen
     assert len({row["run_id"] for v in alone for row in v.detail.get("sandbox_runs", [])}) > 1
 
 
+def test_the_self_test_grades_a_generator_s_cases_together_with_the_verdicts_of_one_sandbox_each():
+    from evertrain.envs.quality import validate
+
+    env = rg.ReasoningGym("count_primes", eval_size=2)
+    together = validate(env, problems=1)
+    env.probes_together = False
+    alone = validate(env, problems=1)
+    assert together.ok and alone.ok, (together.failures, alone.failures)
+    assert [(c.label, c.reward, c.reason) for c in together.cases] == \
+        [(c.label, c.reward, c.reason) for c in alone.cases]
+    assert len(together.cases) > 10 and all(c.seconds > 0 for c in together.cases)
+    # one sandbox (one record, stored once) for the generator's cases that reach its scorer, one each before
+    assert len(together.sandbox_runs) == len({r["run_id"] for r in together.sandbox_runs}) == 1
+    assert len(alone.sandbox_runs) > 5
+
+
 def _record(stdout: str, exit_code: int | None = 0, limit_hit: str | None = None) -> SandboxRunRecord:
     return SandboxRunRecord(run_id="r", purpose=rg.SCORER_PURPOSE, code_sha256="x", limits=Limits(),
                             exit_code=exit_code, signal=None, wall_s=0.1, cpu_s=0.1, peak_rss_kb=1, stdout_bytes=0,

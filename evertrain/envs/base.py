@@ -161,6 +161,9 @@ class Environment(ABC):
     def verify(self, problem: Problem, completion: str) -> Verdict:
         """Grade ``completion``. Never raises because of what the completion contains."""
 
+    # whether :meth:`verify_probes` grades together (cheaper than one by one): the self-test then uses it too
+    probes_together: bool = False
+
     def verify_probes(self, items: list[tuple[Problem, str]]) -> list[Verdict]:
         """:meth:`verify` of each ``(problem, completion)``, for the project's own probe completions (the quality
         check's, :func:`evertrain.envs.quality.probe`), never a policy's: an environment may grade them together

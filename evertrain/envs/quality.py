@@ -270,15 +270,20 @@ def validate(env: Environment, problems: int = 2, seed: int = 0, workers: int = 
         return CaseResult(problem.id, label, completion, expect, verdict.reward, verdict.reason,
                           time.monotonic() - t0), runs
 
-    if workers > 1 and len(todo) > 1:
+    together = _together(env, todo) if env.probes_together else None
+    if together is not None:
+        results = together
+    elif workers > 1 and len(todo) > 1:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(run, todo))
     else:
         results = [run(case) for case in todo]
     first_good: dict[tuple[str, str], CaseResult] = {}
+    recorded: set[str] = set()  # cases graded together share their sandbox's record: stored once
     for (problem, label, completion, expect), (result, runs) in zip(todo, results, strict=True):
         report.cases.append(result)
-        report.sandbox_runs.extend(runs)
+        report.sandbox_runs.extend(row for row in runs if row.get("run_id") not in recorded)
+        recorded.update(str(row.get("run_id")) for row in runs)
         if on_case is not None:
             on_case(result)
         if not result.ok:
@@ -293,6 +298,25 @@ def validate(env: Environment, problems: int = 2, seed: int = 0, workers: int = 
                 report.failures.append(f"{problem.id}: the known-good completion got two different verdicts")
     report.seconds = time.monotonic() - started
     return report
+
+
+def _together(env: Environment, todo: list[tuple[Problem, str, str, float]],
+              ) -> list[tuple[CaseResult, list[dict[str, Any]]]] | None:
+    """The self-test's cases graded together (:meth:`Environment.verify_probes`: its own known-good and known-bad
+    completions, never a policy's), each case's time the batch's mean; None where that fails (graded one by one)."""
+    started = time.monotonic()
+    try:
+        verdicts = env.verify_probes([(problem, completion) for problem, _, completion, _ in todo])
+    except Exception:
+        return None
+    if len(verdicts) != len(todo):
+        return None
+    seconds = (time.monotonic() - started) / max(len(todo), 1)
+    out = []
+    for (problem, label, completion, expect), verdict in zip(todo, verdicts, strict=True):
+        runs = verdict.detail.pop("sandbox_runs", None) or []
+        out.append((CaseResult(problem.id, label, completion, expect, verdict.reward, verdict.reason, seconds), runs))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1391,6 +1391,8 @@ class ReasoningGym(Environment):
         return self._after_scoring(problem, step, score_in_sandbox(step.generator, step.decoded, step.entry,
                                                                    config=step.config))
 
+    probes_together = True
+
     def verify_probes(self, items: list[tuple[Problem, str]]) -> list[Verdict]:
         """:meth:`verify` of the project's own probe completions (the quality check's), the sandboxed scorer runs of
         one generator batched into one sandbox (:func:`score_many_in_sandbox`): the same verdicts, for a fork
