@@ -279,11 +279,11 @@ def validate(env: Environment, problems: int = 2, seed: int = 0, workers: int = 
     else:
         results = [run(case) for case in todo]
     first_good: dict[tuple[str, str], CaseResult] = {}
-    recorded: set[str] = set()  # cases graded together share their sandbox's record: stored once
+    recorded: set[object] = set()  # cases graded together share their sandbox's record: stored once
     for (problem, label, completion, expect), (result, runs) in zip(todo, results, strict=True):
         report.cases.append(result)
         report.sandbox_runs.extend(row for row in runs if row.get("run_id") not in recorded)
-        recorded.update(str(row.get("run_id")) for row in runs)
+        recorded.update(row.get("run_id") for row in runs if row.get("run_id") is not None)
         if on_case is not None:
             on_case(result)
         if not result.ok:
