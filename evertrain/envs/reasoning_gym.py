@@ -1086,6 +1086,16 @@ class ScoreResult:
     earlier: list[SandboxRunRecord] = field(default_factory=list)  # a symbolic grade's reducing run
 
 
+def _scoring_request(generator: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    """What every scoring request of ``generator`` holds (its module, config and where to import from)."""
+    modules = _registry()
+    if generator not in modules or generator == "composite":
+        raise ValueError(f"not a reasoning-gym generator that scores items: {generator!r}")
+    return {"site": list(site_dirs()), "package_dir": _package_dir(), "generator": generator,
+            "module": modules[generator], "config": dict(config or {}),
+            "revive": list(TUPLE_METADATA.get(generator, ())), "lazy": list(LAZY_MODULES)}
+
+
 def score_in_sandbox(generator: str, answer: str, entry: dict[str, Any], *, config: dict[str, Any] | None = None,
                      limits: Limits | None = None) -> ScoreResult:
     """Run ``generator``'s ``score_answer(answer, entry)`` in a sandbox; see the module docstring for how.
@@ -1093,9 +1103,7 @@ def score_in_sandbox(generator: str, answer: str, entry: dict[str, Any], *, conf
     ``answer`` is what the scorer sees (already extracted and decoded). ``config`` is the generator's
     config (the same overrides its problems were generated with).
     """
-    modules = _registry()
-    if generator not in modules or generator == "composite":
-        raise ValueError(f"not a reasoning-gym generator that scores items: {generator!r}")
+    base = _scoring_request(generator, config)
     earlier: list[SandboxRunRecord] = []
     tree = None
     symbols = expression_symbols(generator, entry)
@@ -1112,10 +1120,8 @@ def score_in_sandbox(generator: str, answer: str, entry: dict[str, Any], *, conf
             return reduced
         earlier, tree, answer = [record], reduced.detail.pop("tree"), ""
     nonce = secrets.token_hex(16)
-    request = {"nonce": nonce, "site": list(site_dirs()), "package_dir": _package_dir(), "generator": generator,
-               "module": modules[generator], "config": dict(config or {}), "answer": answer, "entry": entry,
-               "revive": list(TUPLE_METADATA.get(generator, ())), "lazy": list(LAZY_MODULES),
-               "tree": tree, "symbols": symbols, "literal_eval": SYMBOLIC.get(generator) != "expression"}
+    request = {**base, "nonce": nonce, "answer": answer, "entry": entry, "tree": tree, "symbols": symbols,
+               "literal_eval": SYMBOLIC.get(generator) != "expression"}
     stdin = json.dumps(request).encode()
     record = run_python(SCORER_SOURCE, purpose=SCORER_PURPOSE, limits=limits or SCORER_LIMITS, stdin=stdin,
                         ro_binds=site_dirs())
@@ -1133,18 +1139,13 @@ def score_many_in_sandbox(generator: str, items: list[tuple[str, dict[str, Any]]
     For the project's own answers only (the quality check's probes), never a policy's: every result shares the
     batch's sandbox record. Symbolic generators (graded in two runs), and every item of a batch whose sandbox hit
     a limit or failed, are scored one run each."""
-    modules = _registry()
-    if generator not in modules or generator == "composite":
-        raise ValueError(f"not a reasoning-gym generator that scores items: {generator!r}")
+    base = _scoring_request(generator, config)
     if SYMBOLIC.get(generator) == "expression" or len(items) < 2:
         return [score_in_sandbox(generator, answer, entry, config=config) for answer, entry in items]
     nonces = [secrets.token_hex(16) for _ in items]
-    request = {"mode": "batch", "site": list(site_dirs()), "package_dir": _package_dir(), "generator": generator,
-               "module": modules[generator], "config": dict(config or {}),
+    request = {**base, "mode": "batch", "literal_eval": True,
                "items": [{"nonce": nonce, "answer": answer, "entry": entry}
-                         for nonce, (answer, entry) in zip(nonces, items, strict=True)],
-               "revive": list(TUPLE_METADATA.get(generator, ())), "lazy": list(LAZY_MODULES),
-               "symbols": expression_symbols(generator, items[0][1]), "literal_eval": True}
+                         for nonce, (answer, entry) in zip(nonces, items, strict=True)]}
     # each answer has its own CPU limit (a forked process's own); the wall clock is the batch's, so it grows
     limits = Limits(timeout_s=SCORER_LIMITS.timeout_s + 2.0 * len(items), cpu_s=SCORER_LIMITS.cpu_s,
                     memory_mb=SCORER_LIMITS.memory_mb, nproc=SCORER_LIMITS.nproc)
