@@ -1,9 +1,11 @@
-"""The endpoint's throughput and latency with tracing on and off, and the store's files after many traced requests.
+"""The endpoint's throughput and latency with tracing off, on, and on without its journal; the store's files after many
+traced requests.
 
 A tiny model (the test model: two layers, a few hundred thousand parameters, built from a config) is
 served by `evertrain.serving` on a real port; a concurrent client (threads sharing one official ``openai``
-client) sends short chat completions. Tracing on and off alternate in rounds on the same server (the
-trace writer is switched on and off between rounds), so a change in the machine's load hits both alike.
+client) sends short chat completions. Tracing off, on (every row written to the writer's journal before it is
+queued: what a SIGKILL cannot lose) and on without the journal alternate in rounds on the same server (the trace
+writer and its journal are switched between rounds), so a change in the machine's load hits each alike.
 Then ``--traced`` requests are sent with tracing on, and the store's data files are counted before and
 after compaction: the writer commits batches (one commit per ``serving.trace_batch_rows`` traces or per
 ``serving.trace_flush_seconds``), never one per request.
@@ -121,12 +123,14 @@ def main() -> None:
         key, _row = create_key(endpoint.store, "benchmark", "infer", actor="benchmarks/endpoint.py")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
         drive(client, 50, args.clients, args.max_tokens)  # warm-up
-        rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        journal = writer.journal
+        rounds: dict[str, list[dict[str, Any]]] = {"off": [], "on": [], "on, no journal": []}
         for _ in range(args.rounds):
-            for mode in ("off", "on"):
-                endpoint.writer = writer if mode == "on" else None
+            for mode in rounds:
+                endpoint.writer = None if mode == "off" else writer
+                writer.journal = journal if mode == "on" else None
                 rounds[mode].append(drive(client, args.per_round, args.clients, args.max_tokens))
-        endpoint.writer = writer
+        endpoint.writer, writer.journal = writer, journal
         writer.flush(120)
         summary = []
         for mode, parts in rounds.items():
@@ -136,6 +140,7 @@ def main() -> None:
                             **{k: round(statistics.median(p[k] for p in parts), 1)
                                for k in ("p50_ms", "p90_ms", "p99_ms")}})
         cost = 1 - summary[1]["rps"] / summary[0]["rps"]
+        journal_cost = 1 - summary[1]["rps"] / summary[2]["rps"]
 
         store = endpoint.store
         before_traced = int(store.scalar("SELECT count(*) FROM traces"))
@@ -159,14 +164,15 @@ def main() -> None:
     print(f"\nendpoint, tiny model, {args.clients} concurrent clients, {args.max_tokens} completion tokens per request "
           f"(median of {args.rounds} rounds of {args.per_round} requests each)")
     print_table(summary, ["tracing", "requests", "failed", "rps", "p50_ms", "p90_ms", "p99_ms"])
-    print(f"tracing cost: {cost:+.1%} of requests per second")
+    print(f"tracing cost: {cost:+.1%} of requests per second; the journal's share: {journal_cost:+.1%}")
     print(f"\n{args.traced} traced requests: {traces} traces in {files['commits']} commits; store data files "
           f"{files_before} -> {files_traced} after the requests -> {files_compacted} after compaction "
           f"({compact_s:.1f} s)")
     path = save(args.output, {"model": "tiny (tests' model: 2 layers, hidden 64, byte-level tokenizer)",
                               "clients": args.clients, "max_tokens": args.max_tokens, "rounds": rounds,
                               "max_batch": config.serving.max_batch,
-                              "summary": summary, "tracing_cost_rps": round(cost, 4), "files": files,
+                              "summary": summary, "tracing_cost_rps": round(cost, 4),
+                              "journal_cost_rps": round(journal_cost, 4), "files": files,
                               "load_average_1m_at_end": os.getloadavg()[0]})
     print(f"wrote {path}")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -103,6 +105,24 @@ def live(tmp_path_factory, models_dir):
 def _stored(server, sql: str, params: list | None = None):
     assert server.endpoint.writer.flush(60)
     return server.endpoint.store.query(sql, params or [])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_healthy(process, port: int, timeout: float = 300.0) -> None:
+    """Until the endpoint process on ``port`` serves its model (it fails the test if the process exits first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok":
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
 
 
 def _wait_for(server, sql: str, params: list, rows: int = 1, timeout: float = 30.0):
@@ -286,7 +306,11 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
     gate = env.problems("eval", gate_size, config.seed)[0]
     sealed = env.sealed_problems("test", config.sealed_size("calculator"), config.seed, gate_size)[0]
     fresh = {"question": "What is 123 * 456?", "answer": "56088"}
-    tasks = {"fresh": fresh, "gate": {"question": gate.prompt, "answer": gate.payload["answer"]},
+    # issue 45: a request that claims a wrong answer; one the environment cannot answer itself
+    claimed = {"question": "What is 321 * 654?", "answer": "1"}
+    unverifiable = {"question": "How many legs do 3 spiders have?", "answer": "24"}
+    tasks = {"fresh": fresh, "claimed": claimed, "unverifiable": unverifiable,
+             "gate": {"question": gate.prompt, "answer": gate.payload["answer"]},
              "gate_payload": {"question": gate.prompt, **gate.payload},
              "sealed": {"question": sealed.prompt, "answer": sealed.payload["answer"]},
              # near-copies of the gate's question (issue 45): each passed the old check and entered training
@@ -325,14 +349,23 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
     payload = json.loads(row.payload)
     assert row.prompt == fresh["question"] and payload["answer"] == "56088" and row.split == "train"
     assert payload["provenance"]["passed"] is False and payload["provenance"]["outcome_source"] == "verifier"
+    # the claimed answer is gone: the problem trains on the environment's own answer (and graded on it)
+    row = provenance[traces["claimed"]]
+    assert row.prompt == claimed["question"] and json.loads(row.payload)["answer"] == str(321 * 654)
+    assert row.problem_id == env.rebuild(Problem.make("calculator", claimed["question"], {})).id
+    answer_from = _stored(server, "SELECT trace_id, json_extract_string(detail, '$.answer_from') AS answer_from "
+                          f"FROM trace_feedback WHERE trace_id IN ({marks})", list(traces.values()))
+    answer_from = dict(zip(answer_from["trace_id"], answer_from["answer_from"], strict=True))
+    assert answer_from[traces["claimed"]] == "environment" and answer_from[traces["unverifiable"]] == "client"
     for name in tasks:
-        if name != "fresh":
+        if name not in ("fresh", "claimed"):
             assert traces[name] not in provenance, name
     assert gate.id not in set(problems["problem_id"]) and sealed.id not in set(problems["problem_id"])
     assert not {gate.prompt, sealed.prompt} & set(problems["prompt"])
     metrics = json.loads(curating.store.query("SELECT metrics FROM stage_runs WHERE campaign = 'live' AND "
                                               "iteration = 0 AND stage = 'curate'")["metrics"].iloc[0])
     assert metrics["dropped_trace_contaminated"] >= 7 and metrics["trace_problems"] == len(from_traces)
+    assert metrics["dropped_trace_unverifiable"] == 1
     assert metrics["trace_failures"] >= 1
 
 
@@ -406,9 +439,7 @@ def test_hot_swap_under_a_concurrent_client(live):
 def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, tmp_path):
     """`evertrain endpoint` in its own process (beside the test's endpoint, on the same store and registry):
     it answers on its port, and a clean stop (Ctrl-C) writes the traces still queued."""
-    import os
     import signal
-    import socket
     import subprocess
     import sys
 
@@ -417,21 +448,12 @@ def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, t
     data = config.model_dump(mode="json")
     data["serving"]["trace_flush_seconds"] = 3600  # nothing is written before the stop: the stop must write it
     path.write_text(json.dumps(data))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "endpoint", "--campaign", "live", "--config",
                                 str(path), "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok":
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        _wait_healthy(process, port)
         # the same key: both endpoints read the one store's keys
         other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=client.api_key, max_retries=0,
                               timeout=120)
@@ -444,6 +466,66 @@ def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, t
     assert "serving live@v1" in output
     rows = _stored(server, "SELECT model_version, status FROM traces WHERE trace_id = ?", [answer.id])
     assert rows["model_version"].tolist() == [1] and rows["status"].tolist() == ["ok"]
+
+
+def test_sigkill_mid_traffic_loses_no_answered_request_s_trace(live, tmp_path):
+    """`evertrain endpoint` SIGKILLed while clients are being answered, before any trace was committed: every
+    request it answered is stored exactly once after the next writer on the host starts (its journal replayed)."""
+    import signal
+    import subprocess
+    import sys
+
+    from evertrain.serving.traces import TraceWriter
+
+    config, rt, server, client = live
+    path = tmp_path / "live.json"
+    data = config.model_dump(mode="json")
+    data["serving"]["trace_flush_seconds"] = 3600  # no commit before the kill: only the journal can keep them
+    path.write_text(json.dumps(data))
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "endpoint", "--campaign", "live", "--config",
+                                str(path), "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
+    answered: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=client.api_key, max_retries=0,
+                              timeout=60)
+        while not stop.is_set():
+            try:
+                answer = other.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=2)
+            except openai.APIConnectionError:  # the kill: a request in flight was never answered
+                return
+            answered.append(answer.id)
+
+    try:
+        _wait_healthy(process, port)
+        clients = [threading.Thread(target=traffic) for _ in range(3)]
+        for thread in clients:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while len(answered) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGKILL)  # with requests in flight
+        process.wait(30)
+        stop.set()
+    for thread in clients:
+        thread.join(60)
+    assert len(answered) >= 8, process.stdout.read()[-3000:]
+    ids = list(answered)
+    assert _stored(server, "SELECT trace_id FROM traces WHERE trace_id IN (SELECT unnest(?))", [ids]).empty
+    writer = TraceWriter(rt.store, flush_seconds=0.05)  # what the next endpoint on this host starts
+    try:
+        assert writer.replayed_rows >= len(ids)
+        assert writer.flush(60)
+    finally:
+        writer.close()
+    stored = _stored(server, "SELECT trace_id, count(*) AS n, any_value(status) AS status FROM traces "
+                     "WHERE trace_id IN (SELECT unnest(?)) GROUP BY 1", [ids])
+    assert sorted(stored["trace_id"]) == sorted(ids) and set(stored["n"]) == {1} and set(stored["status"]) == {"ok"}
 
 
 def test_endpoint_deployment_is_registered(live, prefect_server):

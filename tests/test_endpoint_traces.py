@@ -107,3 +107,56 @@ def test_the_html_page_plots_the_live_pass_rate_per_env_tool_and_version_over_ti
     assert base64.b64decode(found.group(1)).startswith(b"\x89PNG")
     assert page.count("<td>calculator</td>") == len(series)
     assert html_report("c", [], live=[]).count("live pass rate") == 0  # no outcomes: no empty plot
+
+
+def test_a_killed_writer_s_rows_are_replayed_once_by_the_next_writer_on_its_host(tmp_path):
+    """A writer SIGKILLed before its first commit: the store has none of its rows, its journal has all of them; the
+    next writer replays them exactly once, though its journal was copied (as if the dead writer had committed them
+    and died before deleting it) and ends in a line cut short; a live writer's journal is left alone."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    uri = store_uri(tmp_path)
+    store = Store(uri)
+    live = TraceWriter(store, flush_seconds=3600)  # alive throughout: its rows are its own to commit
+    live.add_trace({"trace_id": "live-0", "campaign": "c", "status": "ok", "created_at": now()})
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from evertrain.data.store import Store, now
+from evertrain.serving.traces import TraceWriter, feedback_row
+writer = TraceWriter(Store({uri!r}), flush_seconds=3600)
+for i in range(5):
+    writer.add_trace({{"trace_id": f"dead-{{i}}", "campaign": "c", "status": "ok", "created_at": now()}})
+writer.add_feedback(feedback_row("dead-0", "c", "client", True, 1.0, {{"why": "ok"}}))
+print("queued", flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "queued"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert store.scalar("SELECT count(*) FROM traces") == 0  # nothing was committed: only the journal has them
+    root = live.journal.root
+    dead = [f for f in root.iterdir() if f != live.journal.folder]
+    assert len(dead) == 1
+    copy = shutil.copytree(dead[0], root / f"{dead[0].name.split('@')[0]}@1-copy")
+    with next(copy.glob("*.jsonl")).open("ab") as segment:
+        segment.write(b'{"table": "traces", "row": {"trace_id": "cut')  # killed in the middle of a write
+
+    writer = TraceWriter(store, flush_seconds=0.05)
+    assert writer.replayed_rows == 12 and writer.journal.bad_lines == 1
+    assert writer.flush(30)
+    stored = store.query("SELECT trace_id, count(*) AS n FROM traces GROUP BY 1 ORDER BY 1")
+    assert stored["trace_id"].tolist() == [f"dead-{i}" for i in range(5)] and set(stored["n"]) == {1}
+    feedback = store.query("SELECT trace_id, passed, detail FROM trace_feedback")
+    assert feedback["trace_id"].tolist() == ["dead-0"] and feedback["detail"].tolist() == ['{"why": "ok"}']
+    assert sorted(root.iterdir()) == sorted([live.journal.folder, writer.journal.folder])  # adopted, then gone
+    assert [p.name for p in writer.journal.folder.glob("adopted-*")] == []  # committed: deleted
+    writer.close()
+    live.close()
+    assert store.query("SELECT trace_id FROM traces WHERE trace_id = 'live-0'").shape[0] == 1
+    assert list(root.iterdir()) == []  # clean stops leave no journal
+    store.close()

@@ -134,3 +134,31 @@ def test_envs_validate_json_parses_and_progress_goes_to_stderr():
         assert row["selftest"]["status"] == "ok" and row["selftest"]["cases"] > 20
         assert row["selftest"]["by_label"]["zero"]["failed"] == 0
     assert "self-test arithmetic" in result.stderr
+
+
+def test_rebuild_takes_the_answer_from_the_environment_never_from_whoever_sent_the_problem():
+    """Issue 45: the endpoint grades, and curation trains, on Environment.rebuild's problem: a claimed answer
+    is replaced by the environment's own; a question it cannot vouch for gives None."""
+    get = registry.get
+    calculator = get("calculator")
+    for own in calculator.problems("train", 20, 3) + calculator.problems("eval", 20, 0):
+        claimed = Problem.make("calculator", own.prompt, {"answer": "1"})
+        rebuilt = calculator.rebuild(claimed)  # the generator's own problem: same id, same answer
+        assert (rebuilt.id, rebuilt.prompt, rebuilt.payload) == (own.id, own.prompt, own.payload)
+    rebuilt = calculator.rebuild(Problem.make("calculator", "what is  12 + 7 * 3 - 4?", {"answer": "53"}))
+    assert rebuilt.payload == {"expr": "12 + 7 * 3 - 4", "answer": "29"}  # Python's precedence, as the tool's
+    for question in ("What is 2 ** 300?", "What is 7 / 2?", "What is twelve plus one?", "What is 1 + 1? Say 3."):
+        assert calculator.rebuild(Problem.make("calculator", question, {"answer": "2"})) is None, question
+    assert get("calculator", ops=["+"]).rebuild(Problem.make("calculator", "What is 3 * 4?", {})) is None
+
+    gsm8k = get("gsm8k")
+    own = gsm8k.problems("train", 1, 5)[0]
+    sent = Problem.make("gsm8k", "  " + own.prompt.upper().replace(" ", "\u200b  ") + "\n", {"answer": "0"})
+    assert gsm8k.rebuild(sent) == own
+    assert gsm8k.rebuild(Problem.make("gsm8k", own.prompt + " Then add one.", {"answer": "0"})) is None
+    arithmetic = get("arithmetic")
+    own = arithmetic.problems("train", 1, 2)[0]
+    assert arithmetic.rebuild(Problem.make("arithmetic", own.prompt, {"answer": "0"})) == own
+
+    products = get("rg:products")  # generated without end: nothing to look it up in, nothing computed
+    assert products.rebuild(products.problems("train", 1, 0)[0]) is None

@@ -504,6 +504,26 @@ class Store(Queries):
         self._write(lambda con: _insert(con, table, frame, KEYS.get(table, ())))
         return len(frame)
 
+    def append_missing(self, table: str, rows: pd.DataFrame | list[dict[str, Any]], key: tuple[str, ...]) -> int:
+        """Insert the rows whose ``key`` columns match no row of ``table`` yet (a replayed journal: some of its
+        rows may have been committed before, or be in it twice); the number inserted."""
+        frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
+        frame = frame.drop_duplicates(subset=list(key))  # a row replayed from two copies of one journal
+        if not len(frame):
+            return 0
+        columns = ", ".join(frame.columns)
+        match = " AND ".join(f"t.{column} = i.{column}" for column in key)
+
+        def body(con: duckdb.DuckDBPyConnection) -> int:
+            con.register("_incoming", frame)
+            try:
+                return int(con.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM _incoming i "
+                                       f"WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE {match})").fetchone()[0])
+            finally:
+                con.unregister("_incoming")
+
+        return self._write(body)
+
     def update_rollout_scores(self, campaign: str, iteration: int, scores: pd.DataFrame) -> int:
         """Write rewards and verdicts onto existing rollout rows (keys: problem_id, sample)."""
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import unicodedata
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,17 @@ from typing import Any, ClassVar, Literal
 # splits that neither curation nor the gate ever sees (transfer: phrasings or operators never trained on)
 Split = Literal["train", "eval", "test", "transfer"]
 SEALED_SPLITS: tuple[str, ...] = ("test", "transfer")
+
+
+# a pool larger than this is not indexed by prompt for :meth:`Environment.rebuild` (memory, first-request time)
+OWN_PROMPTS_LIMIT = 200_000
+
+
+def prompt_key(prompt: str) -> str:
+    """What makes two prompts one question for :meth:`Environment.rebuild`: Unicode compatibility forms folded,
+    invisible format characters dropped, case folded, spacing collapsed; punctuation and operators kept."""
+    folded = unicodedata.normalize("NFKC", prompt)
+    return " ".join("".join(c for c in folded if unicodedata.category(c) != "Cf").casefold().split())
 
 
 def problem_id(env: str, payload: dict[str, Any]) -> str:
@@ -206,6 +218,34 @@ class Environment(ABC):
         """A completion whose final answer is ``answer``; None when this environment grades no final answer
         (code), so the self-test's answer battery does not apply and ``known_bad`` carries the battery."""
         return "#### " + answer if self.kind in ("math", "reasoning", "tool") else None
+
+    def rebuild(self, problem: Problem) -> Problem | None:
+        """``problem`` as this environment itself sets it: everything its verifier checks against (the answer,
+        the tests, the workspace) from its own generator or data set, nothing from whoever sent it; None when it
+        cannot vouch for the problem. A client names a task with its own answer; the endpoint grades, and curation
+        trains, on this instead (:mod:`evertrain.serving`), so a claimed wrong answer steers nothing.
+
+        Default: the environment's own problem (train or held-out) with the same prompt, up to Unicode forms,
+        invisible characters, case and spacing (punctuation counts: "12 + 7" is not "12 - 7"), for environments
+        whose pools are finite (a data set, an enumerated generator); None for one generated without end.
+        Override where the prompt alone determines the answer (``calculator`` computes it)."""
+        index = self._own_prompts
+        return None if index is None else index.get(prompt_key(problem.prompt))
+
+    @property
+    def _own_prompts(self) -> dict[str, Problem] | None:
+        """The environment's own problems of finite pools by :func:`prompt_key` (built once per instance)."""
+        if "_own_prompts_index" not in self.__dict__:
+            index: dict[str, Problem] | None = {}
+            for split in ("train", "eval"):
+                total = self.count(split)
+                if total is None or total > OWN_PROMPTS_LIMIT:
+                    index = None
+                    break
+                for own in self.problems(split, total, 0):
+                    index.setdefault(prompt_key(own.prompt), own)
+            self.__dict__["_own_prompts_index"] = index
+        return self.__dict__["_own_prompts_index"]
 
     def parse_problem(self, data: dict[str, Any]) -> Problem:
         """A problem from its JSON form (``evertrain score`` input); ValueError names what is wrong."""

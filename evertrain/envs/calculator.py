@@ -23,15 +23,30 @@ from __future__ import annotations
 import json
 import operator
 import random
+import re
 from functools import cached_property
 from typing import Any, ClassVar
 
 from evertrain.envs.answers import MathEnvironment
-from evertrain.envs.base import Problem, Split, Tool
+from evertrain.envs.base import Problem, Split, Tool, prompt_key
 from evertrain.envs.tools import Message, PythonTool, ToolCall, ToolEnvironment, ToolOutput
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _POOL_SEED = 15_015
+# the question :meth:`Calculator.rebuild` computes (on its prompt_key): integers of at most 40 digits, + - *
+_QUESTION = re.compile(r"what is (-?\d{1,40}(?: [-+*] -?\d{1,40})*)\?")
+_MAX_OPERANDS = 8
+
+
+def _evaluate(parts: list[str]) -> int:
+    """``a op b op c ...`` (integers; + - *) with Python's precedence, as the tool and the curriculum compute it."""
+    total, sign, term = 0, 1, int(parts[0])
+    for op, number in zip(parts[1::2], parts[2::2], strict=True):
+        if op == "*":
+            term *= int(number)
+        else:
+            total, sign, term = total + sign * term, (1 if op == "+" else -1), int(number)
+    return total + sign * term
 
 
 _OPERATIONS = {"add": "+", "subtract": "-", "multiply": "*"}  # tool v2's names for the operators
@@ -146,6 +161,23 @@ class Calculator(ToolEnvironment, MathEnvironment):
 
     def count(self, split: Split) -> int | None:
         return self.eval_pool if split == "eval" else None
+
+    def rebuild(self, problem: Problem) -> Problem | None:
+        """The problem with its answer computed here from the question ("What is <integers joined by this
+        environment's operators>?", up to spacing and case), whatever answer came with it; None for any other
+        question. Two operands give the generator's own problem (its id), more a curriculum level's."""
+        match = _QUESTION.fullmatch(prompt_key(problem.prompt))
+        if match is None:
+            return None
+        parts = match.group(1).split()
+        if any(op not in self.ops for op in parts[1::2]) or len(parts) > 2 * _MAX_OPERANDS - 1:
+            return None
+        expr, answer = " ".join(parts), str(_evaluate(parts))
+        if len(parts) == 3:
+            payload: dict[str, Any] = {"a": int(parts[0]), "b": int(parts[2]), "op": parts[1], "answer": answer}
+        else:
+            payload = {"expr": expr, "answer": answer}
+        return Problem.make(self.name, f"What is {expr}?", payload, problem.split)
 
     def reference(self, problem: Problem) -> str | None:
         return f"#### {problem.payload['answer']}"

@@ -259,6 +259,8 @@ class ChatRequest:
     include_usage: bool
     env: Environment | None
     problem: Problem | None
+    # where the answer the verifier grades against came from: "environment" (Environment.rebuild) or "client"
+    answer_from: str | None = None
 
 
 class Endpoint:
@@ -424,7 +426,7 @@ class Endpoint:
             raise ApiError(404, f"the model {model!r} does not exist here: this endpoint serves campaign "
                            f"{campaign!r}'s champion ({', '.join(sorted(accepted))})",
                            code="model_not_found", kind="not_found_error", param="model")
-        env, problem = self._task(body.get("evertrain"), draft)
+        env, problem, answer_from = self._task(body.get("evertrain"), draft)
         active = self._tools(body, env, draft)
         messages = self._messages(body.get("messages"), active, draft)
         return ChatRequest(messages=messages, active_tools=active, max_tokens=self._max_tokens(body, env),
@@ -433,13 +435,15 @@ class Endpoint:
                            seed=_optional_int(body, "seed"), stop=_stop(body.get("stop")),
                            stream=bool(body.get("stream", False)),
                            include_usage=_include_usage(body.get("stream_options")),
-                           env=env, problem=problem)
+                           env=env, problem=problem, answer_from=answer_from)
 
-    def _task(self, extra: Any, draft: Draft) -> tuple[Environment | None, Problem | None]:
+    def _task(self, extra: Any, draft: Draft) -> tuple[Environment | None, Problem | None, str | None]:
         """The task the client named (extra body field ``evertrain``), for the verified outcome: one of the
-        campaign's environments only (another's grader would run what the client sent, e.g. its tests)."""
+        campaign's environments only (another's grader would run what the client sent, e.g. its tests), and
+        graded against the environment's own answer where it has one (:meth:`Environment.rebuild`), the
+        client's only where it has none; with where the answer came from."""
         if extra is None:
-            return None, None
+            return None, None, None
         if not isinstance(extra, dict):
             raise ApiError(400, "'evertrain' must be an object: {\"env\": ..., \"problem\": {...}} or "
                            "{\"env\": ..., \"problem_id\": ...}", code="invalid_evertrain", param="evertrain")
@@ -463,14 +467,15 @@ class Endpoint:
         if data is None and extra.get("problem_id") is not None:
             data = self._stored_problem(name, str(extra["problem_id"]))
         if data is None:
-            return env, None
+            return env, None, None
         try:
             problem = env.parse_problem(data)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
             raise ApiError(400, f"'evertrain.problem' is not a {name} problem: {error}", code="invalid_problem",
                            param="evertrain.problem") from None
-        draft.problem, draft.problem_id = data, problem.id
-        return env, problem
+        own = env.rebuild(problem)
+        draft.problem, draft.problem_id = data, (own or problem).id
+        return (env, own, "environment") if own is not None else (env, problem, "client")
 
     def _stored_problem(self, env: str, problem_id: str) -> dict[str, Any]:
         row = self.store.stored_problem(self.config.name, env, problem_id)
@@ -651,7 +656,8 @@ class Endpoint:
             # the grader's sandboxed processes: audited in sandbox_runs as the score stage's are (purpose
             # "endpoint:<what ran>", no iteration), the verdict naming their run ids
             runs = list(verdict.detail.pop("sandbox_runs", None) or [])
-            detail = {"reason": verdict.reason, **self.redactor.value(verdict.detail)}
+            detail = {"reason": verdict.reason, **self.redactor.value(verdict.detail),
+                      "answer_from": request.answer_from}
             if runs:
                 detail["sandbox_run_ids"] = [run.get("run_id") for run in runs]
             row = feedback_row(trace_id, self.config.name, "verifier", verdict.passed, verdict.reward, detail)
@@ -902,6 +908,7 @@ def create_app(endpoint: Endpoint) -> Any:
                 "version": served and served.version, "requests": endpoint.requests,
                 "trace_backlog": endpoint.writer.backlog() if endpoint.writer else 0,
                 "trace_failed_rows": endpoint.writer.failed_rows if endpoint.writer else 0,
+                "trace_replayed_rows": endpoint.writer.replayed_rows if endpoint.writer else 0,
                 "internal_errors": endpoint.internal_errors, "quota_refused": endpoint.quotas.refused,
                 "watcher_error": endpoint.champion.last_error if private else None}
 

@@ -6,6 +6,11 @@ iteration's curation adds up to ``serving.trace_problems`` of them: failures fir
 model got wrong is what there is to learn), and ``serving.trace_success_share`` of the places for passed
 ones, so training keeps problems the model already solves; either side fills what the other lacks.
 
+A trace's task becomes a training problem only as the environment itself sets it
+(:meth:`~evertrain.envs.base.Environment.rebuild`: the answer it computes or holds, never the one the request
+carried, so a client that claims a wrong answer cannot make the loop train toward it); a task the environment
+cannot vouch for (a reasoning-gym item, generated without end) is dropped as ``trace_unverifiable``.
+
 They pass the same gates as curated problems: a problem already taken this iteration is a duplicate, and
 one that is any environment's held-out problem (the gate's or a sealed split's, by id, by its prompt after
 normalisation: Unicode forms folded, invisible characters, punctuation, spacing and case ignored; or for
@@ -83,17 +88,23 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
             env = rt.env(row.env)
             try:
                 data = json.loads(row.problem)
-                problem = env.parse_problem(data)
+                sent = env.parse_problem(data)
                 # the same task under the generator's own payload: its id is what the held-out set lists
                 raw = {k: v for k, v in data.items() if k not in ("prompt", "question")} \
                     if isinstance(data, dict) else {}
-                ids = {problem.id, Problem.make(row.env, problem.prompt, raw).id}
+                ids = {sent.id, Problem.make(row.env, sent.prompt, raw).id}
             except (ValueError, KeyError, TypeError):
                 reason = "trace_unparseable"
             else:
-                if ids & held_ids or (row.env, _normal(problem.prompt)) in held_prompts or (
-                        not env.templated and held_index.overlaps(problem.prompt)):
+                # the environment's own problem: its answer, never the one the request carried
+                problem = env.rebuild(sent)
+                if problem is not None:
+                    ids.add(problem.id)
+                if ids & held_ids or any((row.env, _normal(p.prompt)) in held_prompts for p in (sent, problem) if p) \
+                        or (not env.templated and held_index.overlaps(sent.prompt)):
                     reason = "trace_contaminated"
+                elif problem is None:
+                    reason = "trace_unverifiable"
                 elif problem.id in taken or problem.id in seen:
                     reason = "trace_duplicate"
         if reason is not None:
@@ -101,7 +112,7 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
             continue
         seen.add(problem.id)
         provenance = {"source": "trace", "trace_id": row.trace_id, "model_version": _int(row.model_version),
-                      "passed": bool(row.passed), "outcome_source": row.source}
+                      "passed": bool(row.passed), "outcome_source": row.source, "answer_from": "environment"}
         pools[bool(row.passed)].append(replace(problem, split="train",
                                                payload={**problem.payload, "provenance": provenance}))
     passed = pools[True][:want_passed]

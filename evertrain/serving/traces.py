@@ -4,8 +4,9 @@ The store is DuckLake: one commit writes at least one Parquet file per table it 
 request would leave a file per request. The writer therefore queues rows (already redacted) and commits
 them in batches, ``serving.trace_batch_rows`` rows or every ``serving.trace_flush_seconds``, whichever comes
 first, and merges the small files every ``serving.compact_seconds`` (:meth:`Store.compact`). A failed
-commit is retried with the next batch (the rows stay queued); rows are lost only if the process dies
-within one flush interval of their request.
+commit is retried with the next batch (the rows stay queued). Each row is first written to the writer's
+journal (:mod:`evertrain.serving.journal`, beside a local store), so a process that dies before the commit loses
+none: the next writer on the host replays it.
 
 One bad row never blocks the others: every string is made storable before it is queued (an unpaired
 surrogate, which UTF-8 cannot encode, is kept as the text of its escape, ``\\udXXX``:
@@ -20,6 +21,7 @@ closes go to that file too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,6 +35,7 @@ import pandas as pd
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store, now
+from evertrain.serving.journal import REPLAY_KEYS, Journal
 from evertrain.serving.redact import storable
 
 log = logging.getLogger("evertrain.serving")
@@ -66,18 +69,35 @@ def failed_rows_path(store: Store) -> Path | None:
     return Path(where.rstrip("/") + ".trace_failures.jsonl")
 
 
+def journal_root(store: Store) -> Path | None:
+    """Where trace writers keep their journals: beside a local store (None for a remote data path: no journal)."""
+    where = str(store.path)
+    if "://" in where:
+        return None
+    return Path(where.rstrip("/") + ".trace_journal")
+
+
 class TraceWriter:
     """A background thread that commits queued trace, feedback and sandbox audit rows to the store in batches."""
 
     def __init__(self, store: Store, *, batch_rows: int = 256, flush_seconds: float = 1.0,
                  compact_seconds: float = 300.0, compact_keep_seconds: float = 600.0,
-                 failed_path: Path | None = None) -> None:
+                 failed_path: Path | None = None, journal: bool = True) -> None:
         self.store = store
         self.failed_path = failed_path if failed_path is not None else failed_rows_path(store)
+        root = journal_root(store) if journal else None
+        self.journal: Journal | None = None
+        if root is not None:
+            try:
+                self.journal = Journal(root)
+            except OSError as error:
+                log.error("trace writer: no journal (%s): rows queued when this process dies will be lost", error)
         self.batch_rows, self.flush_seconds = batch_rows, flush_seconds
         self.compact_seconds, self.compact_keep_seconds = compact_seconds, compact_keep_seconds
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._pending: dict[str, list[dict[str, Any]]] = {"traces": [], "trace_feedback": [], "sandbox_runs": []}
+        # rows of dead writers' journals, inserted only where the store lacks them (Store.append_missing)
+        self._replay: dict[str, list[dict[str, Any]]] = {table: [] for table in self._pending}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle = threading.Condition()
@@ -86,6 +106,13 @@ class TraceWriter:
         self.compactions = 0
         self.errors = 0
         self.failed_rows = 0  # rows the store refused alone while others were written: in failed_path, not stored
+        self.replayed_rows = 0  # rows of dead writers' journals taken for replay (some may have been stored already)
+        if self.journal is not None:
+            self._replay = self.journal.adopt()
+            self.replayed_rows = sum(len(rows) for rows in self._replay.values())
+            if self.replayed_rows:
+                log.warning("trace writer: replaying %d rows that a writer which died before committing them left in "
+                            "%s", self.replayed_rows, self.journal.root)
         self._thread = threading.Thread(target=self._run, name="evertrain-trace-writer", daemon=True)
         self._thread.start()
 
@@ -101,13 +128,19 @@ class TraceWriter:
 
     def _put(self, table: str, row: dict[str, Any]) -> None:
         row = {k: storable(v, json_text=k in JSON_COLUMNS) if isinstance(v, str) else v for k, v in row.items()}
-        self._queue.put((table, row))
+        if self.journal is None:
+            self._queue.put((table, row))
+        else:
+            with self.journal.lock:  # on disk before it is queued (and so before the response is sent)
+                self.journal.write(table, row)
+                self._queue.put((table, row))
         if self._queue.qsize() >= self.batch_rows:
             self._wake.set()
 
     def backlog(self) -> int:
-        """Rows queued or waiting for a commit."""
-        return self._queue.qsize() + sum(len(rows) for rows in self._pending.values())
+        """Rows queued or waiting for a commit (replayed ones included)."""
+        return self._queue.qsize() + sum(len(rows) for pending in (self._pending, self._replay)
+                                         for rows in pending.values())
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every row queued so far is committed (tests, shutdown); False on timeout."""
@@ -126,9 +159,12 @@ class TraceWriter:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self._drain()
-            for table, rows in self._pending.items():
-                self._quarantine(table, [(row, "not written when the writer closed") for row in rows])
-                rows.clear()
+            for pending in (self._pending, self._replay):
+                for table, rows in pending.items():
+                    self._quarantine(table, [(row, "not written when the writer closed") for row in rows])
+                    rows.clear()
+            if self.journal is not None:
+                self.journal.close()
 
     def _run(self) -> None:
         last_compact = time.monotonic()
@@ -144,25 +180,43 @@ class TraceWriter:
         self._commit()
 
     def _drain(self) -> None:
-        while True:
-            try:
-                table, row = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            self._pending[table].append(row)
+        with self.journal.lock if self.journal is not None else contextlib.nullcontext():
+            if self.journal is not None:  # every row taken below is in a closed segment
+                self.journal.rotate()
+            while True:
+                try:
+                    table, row = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                self._pending[table].append(row)
 
     def _commit(self) -> None:
-        for table, rows in self._pending.items():
+        self._commit_all(self._replay, replay=True)
+        self._commit_all(self._pending, replay=False)
+        if self.journal is not None and not any(rows for pending in (self._pending, self._replay)
+                                                for rows in pending.values()):
+            self.journal.release()
+        with self._idle:
+            self._idle.notify_all()
+
+    def _write(self, table: str, rows: list[dict[str, Any]], replay: bool) -> None:
+        if replay:
+            self.store.append_missing(table, pd.DataFrame(rows), REPLAY_KEYS[table])
+        else:
+            self.store.append(table, pd.DataFrame(rows))
+
+    def _commit_all(self, pending: dict[str, list[dict[str, Any]]], replay: bool) -> None:
+        for table, rows in pending.items():
             if not rows:
                 continue
             batch = list(rows)
             try:
-                self.store.append(table, pd.DataFrame(batch))
+                self._write(table, batch, replay)
             except Exception as error:
                 self.errors += 1
                 log.warning("trace writer: writing %d %s rows failed (%s); looking for the rows at fault", len(batch),
                             table, error)
-                written, refused = self._isolate(table, batch, error)
+                written, refused = self._isolate(table, batch, error, replay)
                 done = {id(row) for row in written}
                 if written:  # the store works: the rows it refuses alone are bad, set aside rather than retried
                     done |= {id(row) for row, _ in refused}
@@ -177,10 +231,8 @@ class TraceWriter:
             del rows[:len(batch)]
             self.commits += 1
             self.rows_written += len(batch)
-        with self._idle:
-            self._idle.notify_all()
 
-    def _isolate(self, table: str, batch: list[dict[str, Any]], error: Exception) -> tuple[
+    def _isolate(self, table: str, batch: list[dict[str, Any]], error: Exception, replay: bool = False) -> tuple[
             list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:
         """Write a batch that failed whole in halves, down to single rows: (rows written, [(row refused alone,
         error)]). Gives up (the rest stays queued) once ``2 + log2(rows)`` writes in a row failed with none
@@ -194,7 +246,7 @@ class TraceWriter:
             if not part:
                 continue
             try:
-                self.store.append(table, pd.DataFrame(part))
+                self._write(table, part, replay)
             except Exception as failure:
                 failures += 1
                 if len(part) == 1:
