@@ -520,6 +520,15 @@ class ServingConfig(_Strict):
         "max_tokens x n plus its prompt's characters / 4; more get a 429 with Retry-After (0: no limit).")
     max_request_bytes: int = Field(
         1_000_000, ge=1024, description="Largest request body accepted (bytes); larger ones get a 413 error.")
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, le=600, description="A connection whose request headers have not all arrived this long after it "
+        "opened (or after its previous response) is closed: silent or trickling connections hold nothing.")
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Longest a request body may take to arrive once its headers have; slower "
+        "ones get a 408 error.")
+    max_connections: int = Field(
+        256, ge=1, description="Most connections open at once; one more is answered 503 (too_many_connections) "
+        "and closed unread.")
     trace: bool = Field(True, description="Store every request as a trace in the store's 'traces' table.")
     trace_batch_rows: int = Field(
         256, ge=1, description="Traces are written in batches: when this many wait, or every trace_flush_seconds.")
@@ -541,6 +550,10 @@ class ServingConfig(_Strict):
         8, ge=1, le=64, description="On the in-house sampler: requests that arrive while a generation runs are "
         "sampled together in the next call, up to this many (those with the same version and sampling settings; "
         "each with its own seed). 1: one request per call.")
+    fair_wait_seconds: float = Field(
+        30.0, gt=0, description="On the in-house sampler, the request asking for the fewest tokens is sampled next, "
+        "so a small request waits for at most the call already running; one that has waited this long goes next "
+        "whatever its size.")
     vllm_concurrency: int = Field(
         8, ge=1, le=256, description="With generation.backend = 'vllm' (the champion on vLLM's own OpenAI server): "
         "how many requests the endpoint sends to vLLM at once, for vLLM to batch (the in-house sampler takes one "

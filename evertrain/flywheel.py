@@ -84,10 +84,8 @@ def endpoint_server(config: CampaignConfig) -> Any:
     Tools run at the client, and the deployment's tool is what changed: the endpoint must turn the model's
     ``<calc>`` calls into tool calls as soon as clients declare that tool, before any model was trained on it.
     """
-    import uvicorn
-
     from evertrain.envs import registry
-    from evertrain.serving.app import Endpoint, EndpointServer, create_app
+    from evertrain.serving.app import Endpoint, EndpointServer
 
     both = set(registry.get("calculator").tools) | set(registry.get("calculator", tool_version=2).tools)
 
@@ -95,13 +93,7 @@ def endpoint_server(config: CampaignConfig) -> Any:
         def known_tools(self, extra: Any = None) -> set[str]:
             return super().known_tools(extra) | both
 
-    server = EndpointServer.__new__(EndpointServer)
-    server.endpoint = BothTools(config)
-    server.app = create_app(server.endpoint)
-    server.server = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning",
-                                                  access_log=False, lifespan="on"))
-    server.thread = threading.Thread(target=server.server.run, name="evertrain-endpoint", daemon=True)
-    return server.start()
+    return EndpointServer(config, host="127.0.0.1", port=0, endpoint=BothTools(config)).start()
 
 
 def demo_key(store: Any) -> str:

@@ -365,7 +365,7 @@ def test_failed_verifiable_trace_becomes_a_training_problem_never_a_held_out_one
     metrics = json.loads(curating.store.query("SELECT metrics FROM stage_runs WHERE campaign = 'live' AND "
                                               "iteration = 0 AND stage = 'curate'")["metrics"].iloc[0])
     assert metrics["dropped_trace_contaminated"] >= 7 and metrics["trace_problems"] == len(from_traces)
-    assert metrics["dropped_trace_unverifiable"] == 1
+    assert metrics["dropped_trace_unverifiable"] >= 1  # earlier tests of the module send such tasks too
     assert metrics["trace_failures"] >= 1
 
 

@@ -54,6 +54,7 @@ from evertrain.envs.base import Environment, Problem, ToolResult
 from evertrain.envs.tools import format_tool_result
 from evertrain.serving import auth, guard
 from evertrain.serving.batching import Batcher, Job
+from evertrain.serving.connections import ConnectionStats, guarded_protocol
 from evertrain.serving.quota import Quotas
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
@@ -280,20 +281,21 @@ class Endpoint:
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
         self.quotas = Quotas(self.serving.requests_per_minute, self.serving.tokens_per_minute)
+        self.connections = ConnectionStats()  # what the connection guard refused (evertrain.serving.connections)
         # serving.auth = "keys": the keys' cache over this store, read by the app's AuthMiddleware
         self.keys = auth.KeyCache(self.store, self.serving.auth_cache_seconds) if self.serving.auth == "keys" \
             else None
         self.writer: TraceWriter | None = None
         # a backend that schedules its own batches (vLLM's server) batches concurrent requests itself: let them reach
         # it together; on the in-house sampler the batcher runs one sampling call at a time (it uses every torch
-        # thread), for up to serving.max_batch requests that arrived meanwhile
+        # thread), for up to serving.max_batch requests that arrived meanwhile, the smallest requests first
         self.batcher: Batcher | None = None
         if not self.champion.rt.inference.capabilities.batch_size:
             workers = self.serving.vllm_concurrency
-        else:
-            workers = self.serving.max_batch
-            if self.serving.max_batch > 1:
-                self.batcher = Batcher(self.serving.max_batch)
+        else:  # requests queue in the batcher (shortest first): each waiting one holds a thread of this pool, and
+            # beyond it requests wait in arrival order
+            workers = max(self.serving.max_batch, min(self.serving.max_connections, 64))
+            self.batcher = Batcher(self.serving.max_batch, self.serving.fair_wait_seconds)
         self.generator = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="evertrain-generate")
         # a fast tokenizer used from two threads at once can fail ("Already borrowed"): prompts are encoded in turn
         self._encode_lock = threading.Lock()
@@ -845,19 +847,24 @@ def _unpaired(text: str) -> bool:
     return False
 
 
-async def _bounded_body(request: Any, limit: int) -> tuple[bytes | None, int]:
+async def _bounded_body(request: Any, limit: int, seconds: float | None = None) -> tuple[bytes | None, int]:
     """The request body, read chunk by chunk and abandoned once it passes ``limit`` bytes (a declared
     Content-Length above it is refused unread; a chunked body cannot exhaust memory): (body, size), or
-    (None, the size seen) when it is too large."""
+    (None, the size seen) when it is too large. A body that takes longer than ``seconds`` is a 408 error."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         return None, int(declared)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None, size
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return None, size
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s ({size} bytes came)",
+                       code="request_timeout") from None
     return b"".join(chunks), size
 
 
@@ -910,6 +917,8 @@ def create_app(endpoint: Endpoint) -> Any:
                 "trace_failed_rows": endpoint.writer.failed_rows if endpoint.writer else 0,
                 "trace_replayed_rows": endpoint.writer.replayed_rows if endpoint.writer else 0,
                 "internal_errors": endpoint.internal_errors, "quota_refused": endpoint.quotas.refused,
+                "header_timeouts": endpoint.connections.header_timeouts,
+                "connections_refused": endpoint.connections.connections_refused,
                 "watcher_error": endpoint.champion.last_error if private else None}
 
     @app.get("/v1/models")
@@ -929,7 +938,7 @@ def create_app(endpoint: Endpoint) -> Any:
         headers = {TRACE_HEADER: draft.trace_id}
         try:
             limit = endpoint.serving.max_request_bytes
-            raw, size = await _bounded_body(request, limit)
+            raw, size = await _bounded_body(request, limit, endpoint.serving.body_timeout_seconds)
             if raw is None:
                 draft.request = {"body_bytes": size}
                 raise ApiError(413, f"the request body is {size} bytes or more, above this endpoint's limit of "
@@ -987,7 +996,7 @@ def create_app(endpoint: Endpoint) -> Any:
     @app.post("/feedback")
     async def feedback(request: Request) -> Any:
         try:
-            raw, size = await _bounded_body(request, FEEDBACK_BYTES)
+            raw, size = await _bounded_body(request, FEEDBACK_BYTES, endpoint.serving.body_timeout_seconds)
             if raw is None:
                 raise ApiError(413, f"the feedback body is {size} bytes or more, above {FEEDBACK_BYTES}",
                                code="request_too_large")
@@ -1045,15 +1054,15 @@ class EndpointServer:
     """uvicorn serving :func:`create_app` in a background thread (tests, benchmarks, the Prefect flow)."""
 
     def __init__(self, config: CampaignConfig, host: str | None = None, port: int | None = None,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, endpoint: Endpoint | None = None) -> None:
         import uvicorn
 
         auth.check_listen(config.serving.auth, host or config.serving.host)
-        self.endpoint = Endpoint(config, store)
+        self.endpoint = Endpoint(config, store) if endpoint is None else endpoint
         self.app = create_app(self.endpoint)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host=host or config.serving.host, port=config.serving.port if port is None else port,
-            log_level="warning", access_log=False, lifespan="on"))
+            log_level="warning", access_log=False, lifespan="on", **uvicorn_options(self.endpoint)))
         self.thread = threading.Thread(target=self.server.run, name="evertrain-endpoint", daemon=True)
 
     def start(self, timeout: float = 300.0) -> EndpointServer:
@@ -1095,4 +1104,11 @@ def serve(config: CampaignConfig, host: str | None = None, port: int | None = No
     print(f"evertrain endpoint: serving {served.name if served else '?'} at http://{host}:{port}/v1 "
           f"(traces: {'on' if endpoint.writer else 'off'}; API keys: "
           f"{'required' if endpoint.keys else 'off'}); Ctrl-C stops it", flush=True)
-    uvicorn.run(create_app(endpoint), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(create_app(endpoint), host=host, port=port, log_level="warning", access_log=False,
+                **uvicorn_options(endpoint))
+
+
+def uvicorn_options(endpoint: Endpoint) -> dict[str, Any]:
+    """The connection guard (:mod:`evertrain.serving.connections`) as uvicorn settings."""
+    serving = endpoint.serving
+    return {"http": guarded_protocol(serving.header_timeout_seconds, serving.max_connections, endpoint.connections)}

@@ -6,6 +6,11 @@ share a call (the same loaded version, number of choices and sampling settings) 
 each prompt with its own seed, so a request's answer does not depend on which others shared its call.
 No request waits for a batch to fill: a request that finds the sampler idle starts at once, alone.
 
+Admission is shortest first: when a call ends, the next one is for the waiting request that asks for the fewest
+tokens (``max_tokens`` x ``n``), so a small request waits for at most the call already running, not for every
+large request queued before it; a request that has waited ``max_wait`` seconds (``serving.fair_wait_seconds``)
+goes next whatever its size, so large ones are not starved.
+
 A request's prompt, completion tokens and choices are its own; the call's time and prefix-cache savings
 are shared among its requests in proportion to their tokens (what one request cost cannot be separated
 inside a shared forward pass).
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +43,12 @@ class Job:
     seed: int
     stop_strings: tuple[str, ...]
     future: Future = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def size(self) -> int:
+        """What admission orders by: the completion tokens it may take."""
+        return self.max_new_tokens * self.n
 
     def key(self) -> tuple[Any, ...]:
         return (id(self.served), self.n, self.max_new_tokens, self.temperature, self.top_p, self.greedy,
@@ -46,9 +58,12 @@ class Job:
 class Batcher:
     """A thread that runs queued sampling jobs, several compatible ones per ``sample`` call."""
 
-    def __init__(self, max_batch: int) -> None:
-        self.max_batch = max_batch
+    def __init__(self, max_batch: int, max_wait: float = 30.0) -> None:
+        self.max_batch, self.max_wait = max_batch, max_wait
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._waiting: list[Job] = []
+        # each call: (when it started, its jobs' sizes, the sizes still waiting): how admission chose
+        self.history: list[tuple[float, list[int], list[int]]] = []
         self.calls = 0
         self.jobs = 0
         self.largest = 0
@@ -60,12 +75,16 @@ class Batcher:
         self._queue.put(job)
         return job.future.result()
 
+    def pending(self) -> int:
+        """Jobs queued and not yet in a call."""
+        return self._queue.qsize() + len(self._waiting)
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        waiting: list[Job] = []
+        waiting = self._waiting
         while True:
             if not waiting:
                 first = self._queue.get()
@@ -81,10 +100,20 @@ class Batcher:
                     self._fail(waiting, RuntimeError("the endpoint is stopping"))
                     return
                 waiting.append(job)
-            key = waiting[0].key()
-            batch = [j for j in waiting if j.key() == key][:self.max_batch]
-            waiting = [j for j in waiting if j not in batch]
+            batch = self._next(waiting)
+            waiting[:] = [j for j in waiting if j not in batch]
+            self.history.append((time.monotonic(), [j.size for j in batch], [j.size for j in waiting]))
+            del self.history[:-1000]
             self._call(batch)
+
+    def _next(self, waiting: list[Job]) -> list[Job]:
+        """The next call's jobs: the oldest's if it waited ``max_wait``, else the smallest's (ties: the oldest);
+        every waiting job that can share its call, oldest first, up to ``max_batch``."""
+        oldest = waiting[0]
+        first = oldest if time.monotonic() - oldest.queued_at >= self.max_wait else \
+            min(waiting, key=lambda j: (j.size, j.queued_at))
+        key = first.key()
+        return [first, *[j for j in waiting if j is not first and j.key() == key]][:self.max_batch]
 
     @staticmethod
     def _fail(jobs: list[Job], error: BaseException) -> None:
