@@ -566,6 +566,10 @@ class ServingConfig(_Strict):
     trace_success_share: float = Field(
         0.25, ge=0, le=1, description="Share of the trace problems taken from passed traces (the rest from "
         "failures), so training keeps some problems the model already solves.")
+    trace_client_share: float = Field(
+        0.5, gt=0, le=1, description="Most of an iteration's trace problems (trace_problems) that one client (API "
+        "key; all requests without a key count as one) may give, at least one: one client's traffic cannot fill "
+        "an iteration.")
     trace_window_hours: float = Field(
         168.0, gt=0, description="Only traces this recent are turned into training problems.")
 
@@ -615,6 +619,10 @@ class DriftConfig(_Strict):
         60.0, ge=0, description="After a drop started a run, no other starts for this long, and none while a "
         "campaign run of the deployment is scheduled, running or paused (waiting for an approval), so one drop "
         "starts one run.")
+    retries: int = Field(
+        2, ge=0, description="A run the monitor started that failed or crashed is retried at the next check that "
+        "still finds a drop, without waiting out the cooldown, up to this many times in a row; then the cooldown "
+        "applies and the check says why.")
     interval_seconds: float = Field(60.0, gt=0, description="How often the monitor's deployment checks.")
     deployment: str | None = Field(
         None, description="The deployment a drop runs, 'flow/deployment' (default: this campaign's, "

@@ -6,7 +6,9 @@ reads the endpoint's graded traces of the last ``drift.window_minutes`` from the
 ``calc`` after), counting only the model version that served that environment and tool last, so a champion
 swapped in after a drop is judged on its own answers. An environment and tool is *dropped* when it has at least
 ``drift.min_requests`` graded requests and its pass rate is below ``drift.threshold`` (with ``drift.confident``,
-the whole 95% Wilson interval below it).
+the whole 95% Wilson interval below it). Where several clients (API keys) sent an environment and tool's requests,
+each client's slice is read too, and a drop in any slice counts: one client's burst of easy, passing requests
+cannot hide another client's drop inside the pooled rate.
 
 On a drop, with ``drift.action = "run"``, the monitor runs the campaign's deployment (Prefect's
 ``run_deployment``, ``drift.iterations`` iterations) under a flow run name and tags that say why (``drift:
@@ -14,7 +16,9 @@ calculator[calc] 0.04 < 0.50``), and publishes a Markdown artifact with each dro
 interval, n and the threshold, so the Prefect UI shows the reason beside the run. One drop starts one run:
 nothing starts while a run of that deployment is scheduled, running or paused (an approval waits), nor within
 ``drift.cooldown_minutes`` of the last run the monitor started; both are read from the Prefect server, so
-monitors in several processes agree.
+monitors in several processes agree. A run the monitor started that failed or crashed (the store locked, a worker
+lost) is retried at the next check that still finds the drop, without waiting out the cooldown, up to
+``drift.retries`` times in a row; after that the cooldown applies and the check's outcome names the failed run.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ log = logging.getLogger("evertrain.drift")
 
 DRIFT_TAG = "evertrain-drift"  # on every campaign run the monitor starts
 ACTIVE_STATES = ("SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING")
+FAILED_STATES = ("FAILED", "CRASHED")  # a run the monitor started that ended so is retried (drift.retries)
 
 
 @dataclass
@@ -49,25 +54,30 @@ class Reading:
     low: float
     high: float
     dropped: bool
+    client: str | None = None  # one client's slice (its API key id); None: every client's requests pooled
 
     def label(self) -> str:
-        return f"{self.env}[{self.tools or 'no tool'}]"
+        return f"{self.env}[{self.tools or 'no tool'}]" + (f" client {self.client}" if self.client else "")
 
 
 def live_window(store: Store, campaign: str, window_minutes: float, threshold: float, min_requests: int,
                 confident: bool = True, at: datetime | None = None) -> list[Reading]:
-    """The live pass rate per environment and tool over the last ``window_minutes`` (before ``at``, default now)."""
+    """The live pass rate per environment and tool over the last ``window_minutes`` (before ``at``, default now), and
+    per client of each environment and tool that several clients used."""
     since = (at or datetime.now(UTC)) - timedelta(minutes=window_minutes)
-    frame = store.live_window_counts(campaign, since)
-    readings = []
-    for row in frame.itertuples(index=False):
+
+    def reading(row: Any, client: str | None = None) -> Reading:
         n, k = int(row.requests), int(row.passed)
         low, high = wilson(k, n)
         rate = k / n if n else 0.0
         below = high < threshold if confident else rate < threshold
-        readings.append(Reading(env=row.env, tools=row.tools or "", model_version=_int(row.model_version),
-                                requests=n, passed=k, rate=rate, low=low, high=high,
-                                dropped=n >= min_requests and below))
+        return Reading(env=row.env, tools=row.tools or "", model_version=_int(row.model_version), requests=n,
+                       passed=k, rate=rate, low=low, high=high, dropped=n >= min_requests and below, client=client)
+
+    readings = [reading(row) for row in store.live_window_counts(campaign, since).itertuples(index=False)]
+    slices = store.live_window_counts(campaign, since, by_client=True)
+    shared = slices.groupby(["env", "tools"], dropna=False)["client"].transform("nunique") > 1
+    readings += [reading(row, row.client) for row in slices[shared].itertuples(index=False)]
     return readings
 
 
@@ -119,12 +129,23 @@ def blocking_run(config: CampaignConfig, at: datetime | None = None) -> str | No
             return f"in flight: run {run.name!r} of {name} is {run.state.type.value.lower()}"
         last = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[DRIFT_TAG, f"campaign:{config.name}"])),
-            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=config.drift.retries + 1)
         if last and last[0].created is not None:
+            failed = 0  # the monitor's latest runs that failed, in a row
+            for run in last:
+                if run.state is None or run.state.type.value not in FAILED_STATES:
+                    break
+                failed += 1
+            if 0 < failed <= config.drift.retries:
+                log.warning("drift: the monitor's last run %r %s: retried (%d of drift.retries = %d)", last[0].name,
+                            last[0].state.type.value.lower(), failed, config.drift.retries)
+                return None
             since = at - last[0].created
             if since < timedelta(minutes=config.drift.cooldown_minutes):
+                why = (f"; its last {failed} runs failed, more than drift.retries = {config.drift.retries}: see "
+                       f"{last[0].name!r}") if failed else ""
                 return (f"cooldown: the monitor started {last[0].name!r} {since.total_seconds() / 60:.1f} min ago "
-                        f"(drift.cooldown_minutes = {config.drift.cooldown_minutes:g})")
+                        f"(drift.cooldown_minutes = {config.drift.cooldown_minutes:g}){why}")
     return None
 
 
@@ -182,7 +203,8 @@ def start_run(config: CampaignConfig, dropped: list[Reading]) -> Any:
 
     threshold = config.drift.threshold
     reason = ", ".join(f"{r.label()} {r.rate:.2f} < {threshold:.2f}" for r in dropped)
-    tags = [DRIFT_TAG, f"campaign:{config.name}", *(f"drift:{r.env}/{r.tools or 'no-tool'}" for r in dropped)]
+    tags = [DRIFT_TAG, f"campaign:{config.name}",
+            *dict.fromkeys(f"drift:{r.env}/{r.tools or 'no-tool'}" for r in dropped)]
     # timeout 0: return once the run is created; the deployment's runner or worker runs it
     return run_deployment(deployment_name(config), parameters={"iterations": config.drift.iterations},
                           flow_run_name=f"drift: {reason}"[:200], tags=tags, timeout=0)

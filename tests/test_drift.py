@@ -18,7 +18,7 @@ from tests.conftest import smoke_config_in
 
 
 def _traces(store, campaign: str, outcomes: list[bool], *, tools: str = "calc", version: int = 1,
-            minutes_ago: float = 1.0) -> None:
+            minutes_ago: float = 1.0, key_id: str | None = None) -> None:
     """Graded calculator traces (one per outcome, oldest first), as the endpoint writes them."""
     start = datetime.now(UTC) - timedelta(minutes=minutes_ago)
     traces, feedback = [], []
@@ -28,7 +28,8 @@ def _traces(store, campaign: str, outcomes: list[bool], *, tools: str = "calc", 
         traces.append({c: None for c in TRACE_COLUMNS} | {
             "trace_id": trace_id, "campaign": campaign, "model_version": version, "model": f"{campaign}@v{version}",
             "env": "calculator", "tools": tools, "status": "ok", "http_status": 200, "created_at": at,
-            "prompt_tokens": 10, "cached_tokens": 0, "completion_tokens": 5, "cost_usd": 0.0, "latency_ms": 1.0})
+            "prompt_tokens": 10, "cached_tokens": 0, "completion_tokens": 5, "cost_usd": 0.0, "latency_ms": 1.0,
+            "key_id": key_id})
         feedback.append({c: None for c in FEEDBACK_COLUMNS} | {
             "trace_id": trace_id, "campaign": campaign, "source": "verifier", "passed": passed,
             "reward": float(passed), "detail": "{}", "created_at": at})
@@ -107,6 +108,29 @@ def test_a_falling_pass_rate_starts_one_campaign_run_with_the_reason(monitored):
     assert after["flow_run_id"] is not None and len(_runs(config.name)) == 2
 
 
+def test_a_drift_run_that_failed_is_retried_not_left_to_the_cooldown(monitored):
+    """Issue 45: the run a drop started failed (in `make flywheel`: the store's catalog locked); the next check that
+    still finds the drop starts it again at once, up to drift.retries times in a row, then says why it waits."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Failed
+
+    config, store = monitored
+    config = config.model_copy(update={"drift": config.drift.model_copy(update={"retries": 1})})
+    _traces(store, config.name, [False] * 30)
+    first = check(config, store)
+    assert first["flow_run_id"] is not None
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(first["flow_run_id"], Failed(), force=True)
+    retried = check(config, store)
+    assert retried["flow_run_id"] is not None and retried["blocked"] is None, retried  # not "cooldown"
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(retried["flow_run_id"], Crashed(), force=True)
+    waits = check(config, store)  # two failures in a row, one retry allowed: the cooldown, with the reason
+    assert waits["flow_run_id"] is None and waits["blocked"].startswith("cooldown"), waits
+    assert "last 2 runs failed, more than drift.retries = 1" in waits["blocked"]
+    assert len(_runs(config.name)) == 2
+
+
 def test_a_pass_rate_above_the_threshold_or_too_few_requests_start_nothing(monitored):
     config, store = monitored
     _traces(store, config.name, [True] * 15 + [False] * 10, tools="calc")  # 0.60: above the threshold
@@ -118,6 +142,21 @@ def test_a_pass_rate_above_the_threshold_or_too_few_requests_start_nothing(monit
     assert readings["calc"]["requests"] == 25 and readings["python"]["requests"] == 12
     assert result["dropped"] == [] and result["flow_run_id"] is None and result["outcome"] == "no drop"
     assert _runs(config.name) == []
+
+
+def test_one_client_s_passing_burst_does_not_hide_another_client_s_drop(monitored):
+    """Issue 45: pooled, 60 easy passes of one key and 24 failures of another read 0.71 (no drop); the second
+    client's slice reads 0.00 and starts the run."""
+    config, store = monitored
+    _traces(store, config.name, [True] * 60, key_id="k_burst")
+    _traces(store, config.name, [False] * 24, key_id="k_user", minutes_ago=0.5)
+    readings = {r.client: r for r in live_window(store, config.name, 30, 0.5, 20)}
+    assert readings[None].requests == 84 and not readings[None].dropped  # what the monitor read before
+    assert readings["k_user"].dropped and readings["k_user"].rate == 0.0 and not readings["k_burst"].dropped
+    result = check(config, store)
+    assert result["dropped"] == ["calculator[calc] client k_user"] and result["flow_run_id"] is not None
+    (run,) = _runs(config.name)
+    assert "client k_user" in run.name and "drift:calculator/calc" in run.tags
 
 
 def test_only_the_version_served_last_is_judged(monitored):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from evertrain.config import ConfigError, RedactionConfig, load_config
@@ -159,4 +161,40 @@ time.sleep(600)
     live.close()
     assert store.query("SELECT trace_id FROM traces WHERE trace_id = 'live-0'").shape[0] == 1
     assert list(root.iterdir()) == []  # clean stops leave no journal
+    store.close()
+
+
+def test_one_client_gives_at_most_its_share_of_an_iteration_s_trace_problems(tmp_path, models_dir):
+    """Issue 45: with 4 places and trace_client_share 0.5, a client with six fresh failures gives two problems and
+    another client's two failures get the other two (without the cap the newest six, all the first client's,
+    would fill all four)."""
+    import pandas as pd
+
+    from evertrain.envs.quality import NgramIndex
+    from evertrain.runtime import Runtime
+    from evertrain.serving.trace_source import trace_problems
+    from evertrain.serving.traces import FEEDBACK_COLUMNS, TRACE_COLUMNS
+    from tests.conftest import smoke_config_in
+
+    config = smoke_config_in(tmp_path, models_dir, name="caps", environments=[{"name": "calculator", "weight": 1}],
+                             serving={"curate_from_traces": True, "trace_problems": 4, "trace_client_share": 0.5})
+    store = Store(config.paths.store)
+    traces, feedback = [], []
+    for i, key in enumerate(["k_user"] * 2 + ["k_flood"] * 6):  # the flood is newest: it would come first
+        at, trace_id = now(), f"chatcmpl-{i}"
+        problem = json.dumps({"question": f"What is {100 + i} * 7?", "answer": str((100 + i) * 7)})
+        traces.append({c: None for c in TRACE_COLUMNS} | {
+            "trace_id": trace_id, "campaign": "caps", "model_version": 1, "env": "calculator", "problem": problem,
+            "status": "ok", "http_status": 200, "created_at": at, "key_id": key})
+        feedback.append({c: None for c in FEEDBACK_COLUMNS} | {
+            "trace_id": trace_id, "campaign": "caps", "source": "verifier", "passed": False, "reward": 0.0,
+            "detail": "{}", "created_at": at})
+    store.append("traces", pd.DataFrame(traces))
+    store.append("trace_feedback", pd.DataFrame(feedback))
+    dropped: dict[str, int] = {}
+    chosen = trace_problems(Runtime(config, store, None), set(), (set(), NgramIndex(n=8)), dropped=dropped)
+    by_trace = [p.payload["provenance"]["trace_id"] for p in chosen]
+    keys = ["k_user"] * 2 + ["k_flood"] * 6
+    assert sorted(keys[int(t.split("-")[1])] for t in by_trace) == ["k_flood", "k_flood", "k_user", "k_user"]
+    assert dropped["trace_client_cap"] == 4
     store.close()

@@ -42,7 +42,7 @@ _CHAMPION_EVENTS = """
 # the outcome of each trace: the verifier's when there is one (it graded the real task), else the client's latest
 _TRACE_OUTCOMES = """
     SELECT t.trace_id, t.campaign, t.model_version, t.env, coalesce(t.tools, '') AS tools, t.created_at,
-           t.problem, t.status, o.passed, o.reward, o.source
+           t.problem, t.status, t.key_id, o.passed, o.reward, o.source
     FROM traces t JOIN (
         SELECT trace_id, passed, reward, source, row_number() OVER (
             PARTITION BY trace_id ORDER BY (source = 'verifier') DESC, created_at DESC) AS pick
@@ -534,20 +534,21 @@ class Queries:
     def verifiable_traces(self, campaign: str, since: Any) -> pd.DataFrame:
         """Answered traces since ``since`` that name a task and have an outcome (the verifier's first, else the
         client's latest), failures first, newest first: trace_id, env, problem, model_version, created_at,
-        passed, source."""
-        return self.query(f"""SELECT trace_id, env, problem, model_version, created_at, passed, source
+        passed, source, key_id (the API key that made it)."""
+        return self.query(f"""SELECT trace_id, env, problem, model_version, created_at, passed, source, key_id
                                FROM ({_TRACE_OUTCOMES}) WHERE env IS NOT NULL AND problem IS NOT NULL
                                  AND status = 'ok' AND created_at >= ?
                                ORDER BY passed, created_at DESC, trace_id""", [campaign, since])
 
-    def live_window_counts(self, campaign: str, since: Any) -> pd.DataFrame:
+    def live_window_counts(self, campaign: str, since: Any, by_client: bool = False) -> pd.DataFrame:
         """Graded traces since ``since``, for each environment and tool only the model version that served it
-        last (so a new champion is judged on its own answers): env, tools, model_version, requests, passed,
-        last_at."""
+        last (so a new champion is judged on its own answers): env, tools, model_version, [client,] requests,
+        passed, last_at. ``by_client``: one row per API key too (``client``: its key id, '(no key)' without)."""
+        client = ", coalesce(o.key_id, '(no key)') AS client" if by_client else ""
         return self.query(f"""
             WITH o AS ({_TRACE_OUTCOMES} AND t.created_at >= ?),
             latest AS (SELECT env, tools, arg_max(model_version, created_at) AS served FROM o GROUP BY env, tools)
-            SELECT coalesce(o.env, '(none)') AS env, o.tools, o.model_version, count(*) AS requests,
+            SELECT coalesce(o.env, '(none)') AS env, o.tools, o.model_version{client}, count(*) AS requests,
                    sum(o.passed::INTEGER) AS passed, max(o.created_at) AS last_at
             FROM o JOIN latest ON o.env IS NOT DISTINCT FROM latest.env AND o.tools = latest.tools
             WHERE o.model_version IS NOT DISTINCT FROM latest.served

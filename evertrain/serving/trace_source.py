@@ -4,7 +4,9 @@ A trace is verifiable when the client named its task (environment and problem) a
 the environment's verifier's, else the client's feedback. With ``serving.curate_from_traces`` on, each
 iteration's curation adds up to ``serving.trace_problems`` of them: failures first (what the deployed
 model got wrong is what there is to learn), and ``serving.trace_success_share`` of the places for passed
-ones, so training keeps problems the model already solves; either side fills what the other lacks.
+ones, so training keeps problems the model already solves; either side fills what the other lacks. No client
+(API key) gives more than ``serving.trace_client_share`` of the places: one client's traffic cannot fill an
+iteration (``dropped_trace_client_cap``).
 
 A trace's task becomes a training problem only as the environment itself sets it
 (:meth:`~evertrain.envs.base.Environment.rebuild`: the answer it computes or holds, never the one the request
@@ -24,6 +26,7 @@ clients is trained on once) and carries its provenance in its payload: ``payload
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
@@ -78,11 +81,16 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
     held_prompts = _held_prompts(rt.config.model_dump_json())
     campaign_envs = {spec.name for spec in rt.config.environments}
     want_passed = round(limit * serving.trace_success_share)
+    per_client = max(1, math.ceil(limit * serving.trace_client_share))  # no client fills the iteration alone
+    clients: dict[Any, int] = {}
     pools: dict[bool, list[Problem]] = {False: [], True: []}
     seen: set[str] = set()
     for row in frame.itertuples(index=False):
         reason = None
-        if row.env not in campaign_envs:
+        client = row.key_id if isinstance(row.key_id, str) else None
+        if clients.get(client, 0) >= per_client:
+            reason = "trace_client_cap"
+        elif row.env not in campaign_envs:
             reason = "trace_other_env"
         else:
             env = rt.env(row.env)
@@ -111,6 +119,7 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
             dropped[reason] = dropped.get(reason, 0) + 1
             continue
         seen.add(problem.id)
+        clients[client] = clients.get(client, 0) + 1
         provenance = {"source": "trace", "trace_id": row.trace_id, "model_version": _int(row.model_version),
                       "passed": bool(row.passed), "outcome_source": row.source, "answer_from": "environment"}
         pools[bool(row.passed)].append(replace(problem, split="train",
