@@ -128,6 +128,38 @@ def test_concurrent_writers_lose_and_duplicate_nothing(tmp_path):
     assert audits == 45
 
 
+HOLDING_READER = textwrap.dedent("""
+    import sys, time
+    from evertrain.data.store import Store
+    store = Store(sys.argv[1], read_only=True)
+    store.con.execute("BEGIN TRANSACTION")  # a long read: a report, a notebook, `evertrain sql` on a big table
+    store.con.execute("SELECT count(*) FROM sandbox_runs").fetchone()
+    print("reading", flush=True)
+    sys.stdin.readline()  # holds its transaction until told
+    store.con.execute("COMMIT")
+""")
+
+
+def test_a_reader_s_open_transaction_does_not_block_a_writer(tmp_path):
+    """Issue 45: in SQLite's default journal mode a reader in another process holding its transaction made every
+    commit fail with "database is locked" (three endpoints and a campaign on one store jammed for good); the
+    catalog's write-ahead log lets the writer commit while the reader still reads."""
+    uri = store_uri(tmp_path)
+    store = Store(uri)
+    store.append("sandbox_runs", [{"run_id": "before", "campaign": "c"}])
+    reader = subprocess.Popen([sys.executable, "-c", HOLDING_READER, uri], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        store.append("sandbox_runs", [{"run_id": "during", "campaign": "c"}])  # raised "database is locked" before
+        assert reader.poll() is None  # the reader still held its transaction when the commit went through
+        assert set(store.query("SELECT run_id FROM sandbox_runs")["run_id"]) == {"before", "during"}
+    finally:
+        reader.communicate("done\n", timeout=60)
+        store.close()
+    assert reader.returncode == 0
+
+
 def test_compaction_merges_small_files_and_keeps_every_row(tmp_path):
     store = Store(store_uri(tmp_path))
     for iteration in range(20):

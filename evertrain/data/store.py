@@ -190,6 +190,9 @@ def connect_lake(location: StoreLocation, read_only: bool = False,
     options = [f"DATA_PATH '{location.data_path}'"]
     if read_only:
         options.append("READ_ONLY")
+    if location.catalog == "sqlite":
+        # write-ahead logging: readers never block a writer nor a writer readers (see SQLITE_BUSY_MS below)
+        options += [f"META_BUSY_TIMEOUT {SQLITE_BUSY_MS}"] + ([] if read_only else ["META_JOURNAL_MODE 'WAL'"])
     target = location.target.replace("'", "''")
     con.execute(f"ATTACH 'ducklake:{location.catalog}:{target}' AS {LAKE} ({', '.join(options)})")
     con.execute(f"USE {LAKE}")
@@ -288,8 +291,14 @@ def _follow_moved_data(catalog: Path, data_path: str) -> None:
         db.close()
 
 
-# The SQLite catalog stays in SQLite's default rollback-journal mode (WAL was not needed: readers that meet a
-# commit in progress retry, see Store._retry_read).
+# The SQLite catalog is in write-ahead-log mode (set by the first writer's ATTACH; the mode stays with the file).
+# In SQLite's default rollback-journal mode a reader's lock blocks a writer's commit and a writer waiting to commit
+# blocks new readers: with three endpoints tracing every second, a campaign and `evertrain sql` on one store, an
+# endpoint's commit stalled holding its pending lock and every process then met "database is locked" for good
+# (benchmarks/shared_store.py, 2 minutes). With the log, readers read the last commit while a writer writes, and
+# writers still take turns (Store._writer_lock). The log lives beside the catalog (``-wal``, ``-shm``): move or
+# copy the catalog with them, or after every process closed the store (the last one folds the log back in).
+SQLITE_BUSY_MS = 5000  # how long a catalog statement waits for SQLite's lock before "database is locked"
 def _retryable(error: BaseException) -> bool:
     """A write that lost a race: another writer committed to the same table, or held the SQLite catalog."""
     if not isinstance(error, duckdb.Error):
