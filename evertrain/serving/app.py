@@ -60,6 +60,7 @@ from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
 
 log = logging.getLogger("evertrain.serving")
+GRACEFUL_STOP_S = 30  # a stop signal's wait for running requests (uvicorn's timeout_graceful_shutdown)
 
 MODEL_HEADER = "x-evertrain-model-version"
 TRACE_HEADER = "x-evertrain-trace-id"
@@ -1109,6 +1110,9 @@ def serve(config: CampaignConfig, host: str | None = None, port: int | None = No
 
 
 def uvicorn_options(endpoint: Endpoint) -> dict[str, Any]:
-    """The connection guard (:mod:`evertrain.serving.connections`) as uvicorn settings."""
+    """The connection guard (:mod:`evertrain.serving.connections`) as uvicorn settings, and a bounded stop: requests
+    still running ``GRACEFUL_STOP_S`` after a stop signal are cancelled (their traces are still written), so a
+    request stuck on a store that does not answer cannot keep the endpoint from stopping."""
     serving = endpoint.serving
-    return {"http": guarded_protocol(serving.header_timeout_seconds, serving.max_connections, endpoint.connections)}
+    return {"http": guarded_protocol(serving.header_timeout_seconds, serving.max_connections, endpoint.connections),
+            "timeout_graceful_shutdown": GRACEFUL_STOP_S}
