@@ -15,6 +15,10 @@ for tracing's share of the cost. A real model's generation makes that share smal
 
     .venv/bin/python benchmarks/endpoint.py                   # the defaults: 4 clients, 3 rounds, 10,000 traced
     .venv/bin/python benchmarks/endpoint.py --traced 1000     # quicker
+    .venv/bin/python benchmarks/endpoint.py --auth-ab          # API keys and quotas on against off (tracing on)
+
+``--auth-ab`` measures what identity costs instead: two endpoints on one store, one requiring API keys with the
+default per-key quotas, one with ``serving.auth = "none"`` and no quotas, served at once, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--flush-seconds", type=float, help="serving.trace_flush_seconds (default: the config's)")
     parser.add_argument("--max-batch", type=int, help="serving.max_batch: concurrent requests sampled in one call "
                         "(1: one at a time; default: the config's)")
+    parser.add_argument("--auth-ab", action="store_true", help="API keys and quotas on against off, tracing on")
     parser.add_argument("--output", default="endpoint", help="results file name under benchmarks/results/")
     args = parser.parse_args()
 
@@ -114,6 +119,10 @@ def main() -> None:
     config = type(load_config(None)).model_validate(data)
     with Runtime.open(config) as rt:  # closed before the endpoint opens the store
         rt.ensure_started()
+
+    if args.auth_ab:
+        auth_ab(config, args)
+        return
 
     with EndpointServer(config, port=0) as server:
         endpoint = server.endpoint
@@ -173,6 +182,45 @@ def main() -> None:
                               "max_batch": config.serving.max_batch,
                               "summary": summary, "tracing_cost_rps": round(cost, 4),
                               "journal_cost_rps": round(journal_cost, 4), "files": files,
+                              "load_average_1m_at_end": os.getloadavg()[0]})
+    print(f"wrote {path}")
+
+
+def auth_ab(config: Any, args: argparse.Namespace) -> None:
+    """Keys and quotas on (the defaults) against off: two endpoints on one store, alternating rounds."""
+    import openai
+
+    from evertrain.serving.app import EndpointServer
+    from evertrain.serving.auth import create_key
+
+    data = config.model_dump()
+    data["serving"].update(auth="none", requests_per_minute=0, tokens_per_minute=0)
+    open_config = type(config).model_validate(data)
+    with EndpointServer(config, port=0) as keyed, \
+            EndpointServer(open_config, port=0, store=keyed.endpoint.store) as open_server:
+        key, _row = create_key(keyed.endpoint.store, "benchmark-auth-ab", "infer", actor="benchmarks/endpoint.py")
+        clients = {"keys and quotas": openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=key, max_retries=0,
+                                                    timeout=120),
+                   "no keys, no quotas": openai.OpenAI(base_url=f"{open_server.url}/v1", api_key="unused",
+                                                       max_retries=0, timeout=120)}
+        for client in clients.values():
+            drive(client, 50, args.clients, args.max_tokens)  # warm-up
+        rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in clients}
+        for index in range(args.rounds):  # the order flips every round: neither mode always goes first
+            for mode, client in list(clients.items())[::-1 if index % 2 else 1]:
+                rounds[mode].append(drive(client, args.per_round, args.clients, args.max_tokens))
+    summary = [{"mode": mode, "requests": sum(p["requests"] for p in parts), "failed": sum(p["failed"] for p in parts),
+                "rps": round(statistics.median(p["rps"] for p in parts), 1),
+                **{k: round(statistics.median(p[k] for p in parts), 1) for k in ("p50_ms", "p90_ms", "p99_ms")}}
+               for mode, parts in rounds.items()]
+    cost = 1 - summary[0]["rps"] / summary[1]["rps"]
+    print(f"\nendpoint, tiny model, tracing on, {args.clients} concurrent clients (median of {args.rounds} rounds of "
+          f"{args.per_round} requests each)")
+    print_table(summary, ["mode", "requests", "failed", "rps", "p50_ms", "p90_ms", "p99_ms"])
+    print(f"keys and quotas cost: {cost:+.1%} of requests per second")
+    path = save(args.output, {"model": "tiny (tests' model: 2 layers, hidden 64, byte-level tokenizer)",
+                              "clients": args.clients, "max_tokens": args.max_tokens, "rounds": rounds,
+                              "summary": summary, "auth_cost_rps": round(cost, 4),
                               "load_average_1m_at_end": os.getloadavg()[0]})
     print(f"wrote {path}")
 

@@ -26,6 +26,7 @@ class Quotas:
     def __init__(self, requests_per_minute: int, tokens_per_minute: int) -> None:
         self.requests, self.tokens = requests_per_minute, tokens_per_minute
         self._seen: dict[str, deque[tuple[float, int]]] = {}
+        self._used: dict[str, int] = {}  # each window's token total, kept as requests enter and leave it
         self._lock = threading.Lock()
         self.refused = 0
 
@@ -37,26 +38,28 @@ class Quotas:
         now = time.monotonic() if at is None else at
         with self._lock:
             window = self._seen.setdefault(client, deque())
+            used = self._used.get(client, 0)
             while window and window[0][0] <= now - WINDOW_S:
-                window.popleft()
+                used -= window.popleft()[1]
+            self._used[client] = used
             if self.requests and len(window) >= self.requests:
                 self.refused += 1
                 return "requests", window[0][0] + WINDOW_S - now
-            if self.tokens:
-                used = sum(t for _, t in window)
-                if used + tokens > self.tokens:
-                    self.refused += 1
-                    if tokens > self.tokens:  # never passes: say so rather than a retry time
-                        return "tokens", math.inf
-                    freed, wait = used + tokens - self.tokens, 0.0
-                    for stamp, spent in window:  # the oldest requests leave first
-                        freed -= spent
-                        wait = stamp + WINDOW_S - now
-                        if freed <= 0:
-                            break
-                    return "tokens", wait
+            if self.tokens and used + tokens > self.tokens:
+                self.refused += 1
+                if tokens > self.tokens:  # never passes: say so rather than a retry time
+                    return "tokens", math.inf
+                freed, wait = used + tokens - self.tokens, 0.0
+                for stamp, spent in window:  # the oldest requests leave first
+                    freed -= spent
+                    wait = stamp + WINDOW_S - now
+                    if freed <= 0:
+                        break
+                return "tokens", wait
             window.append((now, tokens))
+            self._used[client] = used + tokens
             if len(self._seen) > 100_000:  # bounded: forget clients idle for a whole window
                 for name in [n for n, w in self._seen.items() if not w or w[-1][0] <= now - WINDOW_S]:
                     del self._seen[name]
+                    self._used.pop(name, None)
             return None
