@@ -55,3 +55,22 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for row in rows:
         print("  ".join(cell(row.get(c, "")).rjust(widths[c]) for c in columns))
+
+
+def tiny_campaign(prefix: str, name: str, environment: str) -> tuple[Path, dict[str, Any]]:
+    """A scratch folder holding the tests' tiny model (built from a config) and configs/smoke.toml as a JSON-ready
+    dict for campaign ``name`` on ``environment``, every path under that folder: what the serving benchmarks run."""
+    import tempfile
+
+    from evertrain.config import load_config
+    from evertrain.models.tiny import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    build_tiny_model(root / "models" / "tiny-llama")
+    data = load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.toml").model_dump(mode="json")
+    data.update(name=name, torch_threads=1, environments=[{"name": environment, "weight": 1}])
+    data["model"]["models_dir"] = str(root / "models")
+    data["paths"] = {"store": f"ducklake:sqlite:{root / 'evertrain.sqlite'}",
+                     "mlflow_uri": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
+                     "artifacts": str(root / "mlflow" / "artifacts"), "checkpoints": str(root / "checkpoints")}
+    return root, data

@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, save
+from benchmarks.common import print_table, save, tiny_campaign
 from evertrain.stats import percentile
 
 
@@ -98,18 +97,10 @@ def main() -> None:
     import openai
 
     from evertrain.config import load_config
-    from evertrain.models.tiny import build_tiny_model
     from evertrain.serving.app import EndpointServer
     from evertrain.serving.auth import create_key
 
-    root = Path(tempfile.mkdtemp(prefix="evertrain-endpoint-bench-"))
-    build_tiny_model(root / "models" / "tiny-llama")
-    data = load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.toml").model_dump()
-    data.update(name="bench", torch_threads=1, environments=[{"name": "arithmetic", "weight": 1}])
-    data["model"]["models_dir"] = str(root / "models")
-    data["paths"] = {"store": f"ducklake:sqlite:{root / 'evertrain.sqlite'}",
-                     "mlflow_uri": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
-                     "artifacts": str(root / "mlflow" / "artifacts"), "checkpoints": str(root / "checkpoints")}
+    _root, data = tiny_campaign("evertrain-endpoint-bench-", "bench", "arithmetic")
     # compaction only at the end, where it is measured
     data["serving"] = {"compact_seconds": 1e9}
     if args.flush_seconds:

@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, save
+from benchmarks.common import print_table, save, tiny_campaign
 from evertrain.stats import percentile
 
 
@@ -87,18 +86,10 @@ def main() -> None:
 
     quiet_libraries()
     from evertrain.config import load_config
-    from evertrain.models.tiny import build_tiny_model
     from evertrain.runtime import Runtime
 
-    root = Path(tempfile.mkdtemp(prefix="evertrain-fair-bench-"))
-    build_tiny_model(root / "models" / "tiny-llama")
-    data = load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.toml").model_dump()
-    data.update(name="fair", torch_threads=1, environments=[{"name": "calculator", "weight": 1}])
-    data["model"]["models_dir"] = str(root / "models")
+    _root, data = tiny_campaign("evertrain-fair-bench-", "fair", "calculator")
     data["model"]["rollout_dtype"] = "float32"
-    data["paths"] = {"store": f"ducklake:sqlite:{root / 'evertrain.sqlite'}",
-                     "mlflow_uri": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
-                     "artifacts": str(root / "mlflow" / "artifacts"), "checkpoints": str(root / "checkpoints")}
     schema = type(load_config(None))
     with Runtime.open(schema.model_validate(data)) as rt:
         rt.ensure_started()

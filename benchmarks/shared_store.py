@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,9 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, save
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import print_table, save, tiny_campaign
 
 
 def free_port() -> int:
@@ -55,19 +52,10 @@ def main() -> None:
 
     import httpx
 
-    from evertrain.config import load_config
     from evertrain.data.store import Store
-    from evertrain.models.tiny import build_tiny_model
     from evertrain.serving.auth import create_key
 
-    root = Path(tempfile.mkdtemp(prefix="evertrain-shared-store-"))
-    build_tiny_model(root / "models" / "tiny-llama")
-    data = load_config(ROOT / "configs" / "smoke.toml").model_dump(mode="json")
-    data.update(name="shared", torch_threads=1, environments=[{"name": "calculator", "weight": 1}])
-    data["model"]["models_dir"] = str(root / "models")
-    data["paths"] = {"store": f"ducklake:sqlite:{root / 'evertrain.sqlite'}",
-                     "mlflow_uri": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
-                     "artifacts": str(root / "mlflow" / "artifacts"), "checkpoints": str(root / "checkpoints")}
+    root, data = tiny_campaign("evertrain-shared-store-", "shared", "calculator")
     data["serving"] = {"trace_flush_seconds": 1.0, "poll_seconds": 2.0}
     config_path = root / "campaign.json"
     config_path.write_text(json.dumps(data))

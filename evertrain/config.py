@@ -518,6 +518,10 @@ class ServingConfig(_Strict):
     tokens_per_minute: int = Field(
         1_000_000, ge=0, description="Most tokens one client may ask for in any 60 s: each request counts its "
         "max_tokens x n plus its prompt's characters / 4; more get a 429 with Retry-After (0: no limit).")
+    max_queued_tokens: int = Field(
+        16_384, ge=0, description="Most completion tokens (max_tokens x n) one client may have waiting or being "
+        "sampled at once; a request past it gets a 429 (code queue_full) until the client's earlier ones end "
+        "(0: no limit).")
     max_request_bytes: int = Field(
         1_000_000, ge=1024, description="Largest request body accepted (bytes); larger ones get a 413 error.")
     header_timeout_seconds: float = Field(

@@ -16,7 +16,7 @@ from evertrain.runtime import Runtime
 from evertrain.serving.app import EndpointServer
 from tests.conftest import api_key, bearer, smoke_config_in
 
-HEADER_S, BODY_S, CONNECTIONS = 1.0, 1.0, 6
+HEADER_S, BODY_S, CONNECTIONS, QUEUED = 1.0, 1.0, 6, 1500
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def live(tmp_path_factory, models_dir):
                              model={"rollout_dtype": "float32"}, torch_threads=1,
                              serving={"poll_seconds": 0.2, "trace_flush_seconds": 0.2,
                                       "header_timeout_seconds": HEADER_S, "body_timeout_seconds": BODY_S,
-                                      "max_connections": CONNECTIONS})
+                                      "max_connections": CONNECTIONS, "max_queued_tokens": QUEUED})
     rt = Runtime.open(config)
     rt.ensure_started()
     with EndpointServer(config, port=0, store=rt.store) as server:
@@ -51,9 +51,11 @@ def test_a_small_request_waits_only_for_the_call_already_running(live):
     batcher = server.endpoint.batcher
     url = f"{server.url}/v1/chat/completions"
     done: dict[int, float] = {}
+    keys = {size: bearer(api_key(server.endpoint.store, "infer")) for size in (1000, 999, 998)}  # a heavy neighbour
+    keys[2] = key
 
     def send(max_tokens: int) -> None:
-        response = httpx.post(url, json=_chat(max_tokens), headers=key, timeout=300)
+        response = httpx.post(url, json=_chat(max_tokens), headers=keys[max_tokens], timeout=300)
         assert response.status_code == 200, response.text
         done[max_tokens] = time.monotonic()
 
@@ -137,3 +139,26 @@ def test_a_body_slower_than_its_deadline_gets_a_408(live):
         answer += chunk
     sock.close()
     assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer
+
+
+def test_a_client_with_its_queue_full_gets_a_429_and_others_are_served(live):
+    """serving.max_queued_tokens: one client's tokens waiting or being sampled are bounded; its next request is
+    refused while its earlier one runs, another client's is served, and the first may send again once it ended."""
+    server, _key = live
+    url = f"{server.url}/v1/chat/completions"
+    busy, other = bearer(api_key(server.endpoint.store, "infer")), bearer(api_key(server.endpoint.store, "infer"))
+    first: list[httpx.Response] = []
+    running = threading.Thread(target=lambda: first.append(httpx.post(url, json=_chat(1000), headers=busy,
+                                                                      timeout=300)))
+    running.start()
+    deadline = time.monotonic() + 60
+    while not server.endpoint.in_flight.held():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    refused = httpx.post(url, json=_chat(1000), headers=busy, timeout=60)  # 1000 + 1000 > 1500 queued
+    served = httpx.post(url, json=_chat(2), headers=other, timeout=60)
+    running.join(300)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+    assert served.status_code == 200 and first[0].status_code == 200
+    assert httpx.post(url, json=_chat(2), headers=busy, timeout=60).status_code == 200  # its queue emptied
+    assert _health(server)["queue_refused"] >= 1

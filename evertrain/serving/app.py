@@ -55,7 +55,7 @@ from evertrain.envs.tools import format_tool_result
 from evertrain.serving import auth, guard
 from evertrain.serving.batching import Batcher, Job
 from evertrain.serving.connections import ConnectionStats, guarded_protocol
-from evertrain.serving.quota import Quotas
+from evertrain.serving.quota import InFlight, Quotas
 from evertrain.serving.redact import Redactor
 from evertrain.serving.traces import TraceWriter, feedback_row, request_cost
 
@@ -282,6 +282,7 @@ class Endpoint:
         self.champion = Champion(config, self.store)
         self.redactor = Redactor(self.serving.redaction)
         self.quotas = Quotas(self.serving.requests_per_minute, self.serving.tokens_per_minute)
+        self.in_flight = InFlight(self.serving.max_queued_tokens)
         self.connections = ConnectionStats()  # what the connection guard refused (evertrain.serving.connections)
         # serving.auth = "keys": the keys' cache over this store, read by the app's AuthMiddleware
         self.keys = auth.KeyCache(self.store, self.serving.auth_cache_seconds) if self.serving.auth == "keys" \
@@ -918,6 +919,7 @@ def create_app(endpoint: Endpoint) -> Any:
                 "trace_failed_rows": endpoint.writer.failed_rows if endpoint.writer else 0,
                 "trace_replayed_rows": endpoint.writer.replayed_rows if endpoint.writer else 0,
                 "internal_errors": endpoint.internal_errors, "quota_refused": endpoint.quotas.refused,
+                "queue_refused": endpoint.in_flight.refused,
                 "header_timeouts": endpoint.connections.header_timeouts,
                 "connections_refused": endpoint.connections.connections_refused,
                 "watcher_error": endpoint.champion.last_error if private else None}
@@ -968,8 +970,18 @@ def create_app(endpoint: Endpoint) -> Any:
                 raise ApiError(429, f"rate limit: more than {limit} {what} a minute for this client; retry in "
                                f"{max(1, math.ceil(wait))} s", code="rate_limit_exceeded", kind=which)
             served = draft.served
-            response = await asyncio.get_running_loop().run_in_executor(
-                endpoint.generator, endpoint.generate, parsed, served, draft)
+            queued = parsed.max_tokens * parsed.n
+            if not endpoint.in_flight.enter(client, queued):
+                headers["retry-after"] = "1"
+                raise ApiError(429, f"this client already has {endpoint.in_flight.held(client)} completion tokens "
+                               f"waiting or being sampled; {queued} more would pass its limit of "
+                               f"{endpoint.serving.max_queued_tokens} (serving.max_queued_tokens): wait for its "
+                               "earlier requests", code="queue_full", kind="tokens")
+            try:
+                response = await asyncio.get_running_loop().run_in_executor(
+                    endpoint.generator, endpoint.generate, parsed, served, draft)
+            finally:
+                endpoint.in_flight.leave(client, queued)
             draft.response = response
             endpoint.grade(parsed, response, draft.trace_id)
             if parsed.stream:

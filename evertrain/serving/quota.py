@@ -63,3 +63,42 @@ class Quotas:
                     del self._seen[name]
                     self._used.pop(name, None)
             return None
+
+
+class InFlight:
+    """Completion tokens each client has waiting or being sampled (thread-safe): a client past
+    ``serving.max_queued_tokens`` waits for its own requests to end, so one client cannot fill the queue."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def enter(self, client: str, tokens: int) -> bool:
+        """Hold ``tokens`` for ``client``; False (nothing held) when that would pass the limit. A request alone
+        larger than the limit passes when the client has nothing else in flight (max_tokens bounds it)."""
+        if not self.max_tokens:
+            return True
+        with self._lock:
+            held = self._held.get(client, 0)
+            if held and held + tokens > self.max_tokens:
+                self.refused += 1
+                return False
+            self._held[client] = held + tokens
+            return True
+
+    def leave(self, client: str, tokens: int) -> None:
+        if not self.max_tokens:
+            return
+        with self._lock:
+            left = self._held.get(client, 0) - tokens
+            if left > 0:
+                self._held[client] = left
+            else:
+                self._held.pop(client, None)
+
+    def held(self, client: str | None = None) -> int:
+        """Tokens ``client`` holds (None: every client together)."""
+        with self._lock:
+            return sum(self._held.values()) if client is None else self._held.get(client, 0)
