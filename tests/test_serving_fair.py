@@ -14,6 +14,7 @@ import pytest
 
 from evertrain.runtime import Runtime
 from evertrain.serving.app import EndpointServer
+from evertrain.serving.auth import create_key
 from tests.conftest import api_key, bearer, smoke_config_in
 
 HEADER_S, BODY_S, CONNECTIONS, QUEUED = 1.0, 1.0, 6, 1500
@@ -146,7 +147,8 @@ def test_a_client_with_its_queue_full_gets_a_429_and_others_are_served(live):
     refused while its earlier one runs, another client's is served, and the first may send again once it ended."""
     server, _key = live
     url = f"{server.url}/v1/chat/completions"
-    busy, other = bearer(api_key(server.endpoint.store, "infer")), bearer(api_key(server.endpoint.store, "infer"))
+    secret, row = create_key(server.endpoint.store, "busy", "infer", actor="pytest")
+    busy, other = bearer(secret), bearer(api_key(server.endpoint.store, "infer"))
     first: list[httpx.Response] = []
     running = threading.Thread(target=lambda: first.append(httpx.post(url, json=_chat(1000), headers=busy,
                                                                       timeout=300)))
@@ -156,9 +158,11 @@ def test_a_client_with_its_queue_full_gets_a_429_and_others_are_served(live):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     refused = httpx.post(url, json=_chat(1000), headers=busy, timeout=60)  # 1000 + 1000 > 1500 queued
+    counted = server.endpoint.quotas.used(row["key_id"])
     served = httpx.post(url, json=_chat(2), headers=other, timeout=60)
     running.join(300)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+    assert counted[0] == 1, counted  # the refused request spent none of the client's per-minute quota
     assert served.status_code == 200 and first[0].status_code == 200
     assert httpx.post(url, json=_chat(2), headers=busy, timeout=60).status_code == 200  # its queue emptied
     assert _health(server)["queue_refused"] >= 1

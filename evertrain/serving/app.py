@@ -802,6 +802,19 @@ def _client_call(call: Any, where: str) -> tuple[str, str]:
 FEEDBACK_BYTES = 64 * 1024  # a feedback body is a trace id, a verdict and a short detail
 
 
+def _quota_refusal(over: tuple[str, float], serving: Any, headers: dict[str, str]) -> ApiError:
+    """The 429 for a request past its client's per-minute quota (``over``: which limit, seconds to wait)."""
+    which, wait = over
+    limit = serving.requests_per_minute if which == "requests" else serving.tokens_per_minute
+    what = "requests" if which == "requests" else "tokens (max_tokens x n + prompt characters / 4)"
+    if math.isinf(wait):
+        return ApiError(429, f"this request asks for more {what} than this client may use in a minute ({limit}): "
+                        "ask for fewer", code="rate_limit_exceeded", kind="tokens")
+    headers["retry-after"] = str(max(1, math.ceil(wait)))
+    return ApiError(429, f"rate limit: more than {limit} {what} a minute for this client; retry in "
+                    f"{max(1, math.ceil(wait))} s", code="rate_limit_exceeded", kind=which)
+
+
 def _json_body(raw: bytes, draft: Draft | None = None) -> Any:
     """The parsed body, or an :class:`ApiError` (400) for anything that is not JSON the endpoint can keep: not
     JSON, numbers Python will not convert, nesting deeper than ``MAX_JSON_DEPTH``, an unpaired surrogate in a
@@ -957,26 +970,19 @@ def create_app(endpoint: Endpoint) -> Any:
             parsed = await run_in_threadpool(endpoint.parse, body, draft)
             client = key.key_id if key is not None else (request.client.host if request.client else "unknown")
             prompt_chars = sum(len(str(m.get("content") or "")) for m in parsed.messages)
-            over = endpoint.quotas.admit(client, parsed.max_tokens * parsed.n + prompt_chars // 4)
-            if over is not None:
-                which, wait = over
-                limit = endpoint.serving.requests_per_minute if which == "requests" else \
-                    endpoint.serving.tokens_per_minute
-                what = "requests" if which == "requests" else "tokens (max_tokens x n + prompt characters / 4)"
-                if math.isinf(wait):
-                    raise ApiError(429, f"this request asks for more {what} than this client may use in a "
-                                   f"minute ({limit}): ask for fewer", code="rate_limit_exceeded", kind="tokens")
-                headers["retry-after"] = str(max(1, math.ceil(wait)))
-                raise ApiError(429, f"rate limit: more than {limit} {what} a minute for this client; retry in "
-                               f"{max(1, math.ceil(wait))} s", code="rate_limit_exceeded", kind=which)
             served = draft.served
             queued = parsed.max_tokens * parsed.n
+            # the queue first: a request it refuses spends none of the client's per-minute quota
             if not endpoint.in_flight.enter(client, queued):
                 headers["retry-after"] = "1"
                 raise ApiError(429, f"this client already has {endpoint.in_flight.held(client)} completion tokens "
                                f"waiting or being sampled; {queued} more would pass its limit of "
                                f"{endpoint.serving.max_queued_tokens} (serving.max_queued_tokens): wait for its "
                                "earlier requests", code="queue_full", kind="tokens")
+            over = endpoint.quotas.admit(client, queued + prompt_chars // 4)
+            if over is not None:
+                endpoint.in_flight.leave(client, queued)
+                raise _quota_refusal(over, endpoint.serving, headers)
             try:
                 response = await asyncio.get_running_loop().run_in_executor(
                     endpoint.generator, endpoint.generate, parsed, served, draft)

@@ -64,6 +64,14 @@ class Quotas:
                     self._used.pop(name, None)
             return None
 
+    def used(self, client: str) -> tuple[int, int]:
+        """(requests, tokens) ``client`` has counted in its window now."""
+        with self._lock:
+            window = self._seen.get(client, ())
+            now = time.monotonic()
+            live = [tokens for stamp, tokens in window if stamp > now - WINDOW_S]
+            return len(live), sum(live)
+
 
 class InFlight:
     """Completion tokens each client has waiting or being sampled (thread-safe): a client past
