@@ -447,7 +447,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     sealed = sealed_curve(store, args.campaign) if args.html else []
     from evertrain.curriculum import format_levels, levels_over_iterations
     from evertrain.data.lineage import diversity
-    from evertrain.report import format_diversity, format_gate_power, gate_power
+    from evertrain.report import format_diversity, format_frontier, format_gate_power, gate_power
 
     levels, spread, power = levels_over_iterations(store, args.campaign), diversity(store, args.campaign), \
         gate_power(store, args.campaign)
@@ -465,6 +465,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                 ("iteration", "iteration"), ("groups", "groups"), ("distinct_completions", "distinct per group"),
                 ("distinct_share", "distinct share"), ("token_entropy", "token entropy (nats)"),
                 ("informative_share", "informative groups")], []),
+            ("Frontier (predicted and observed informative groups, guidance)", [], [], format_frontier(rows)),
             ("Gate power", [], [], format_gate_power(power))]
         page = html_report(args.campaign, rows, summary, sections, live=live_series, sealed=sealed)
         Path(args.html).write_text(page, encoding="utf-8")
@@ -478,7 +479,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         for s in summary:
             print(format_versus(s))
         for line in (format_refusal(refusal) + format_agent(agent) + format_mix(mix) + format_levels(levels)
-                     + format_diversity(spread) + format_gate_power(power) + format_live(live)):
+                     + format_diversity(spread) + format_frontier(rows) + format_gate_power(power)
+                     + format_live(live)):
             print(line)
     return 0
 

@@ -144,6 +144,44 @@ class CurriculumConfig(_Strict):
 
 
 
+class FrontierConfig(_Strict):
+    """Spend samples at the frontier of what the trainee can do (evertrain.frontier): skip candidates whose kind's
+    recent groups all agreed, and give a kind that keeps failing every sample a hint, withdrawn as it learns."""
+
+    enabled: bool = Field(
+        False, description="Select and guide each iteration's training problems by their kind's history in the store "
+        "(false, the default until a long campaign shows it pays).")
+    window: int = Field(
+        8, ge=1, description="A kind's most recent groups (at one guidance level, from earlier iterations) that "
+        "predict its next group and move its guidance level.")
+    skip_below: float = Field(
+        0.2, ge=0, le=1, description="Skip a candidate whose predicted chance of an informative group (rewards that "
+        "disagree; its kind and guidance level's (informative + 1) / (groups + 2) over the window) is below this; "
+        "counted as dropped_uninformative.")
+    explore: float = Field(
+        0.1, ge=0, le=1, description="Share of the candidates predicted uninformative kept anyway (chosen by a hash "
+        "of the campaign seed, iteration and problem: reruns keep the same), so the predictions stay honest.")
+    guidance: bool = Field(
+        True, description="Give a kind that keeps failing all samples a hint in its prompt (environments that can "
+        "state one: Environment.hint), raised one level at a time and withdrawn as its pass rate rises.")
+    raise_below: float = Field(
+        0.05, ge=0, lt=1, description="Raise a kind's guidance level when its pass rate over its last window groups "
+        "at its level (at least min_groups of them) is at or below this.")
+    withdraw_above: float = Field(
+        0.5, gt=0, le=1, description="Withdraw one guidance level when that pass rate is at or above this.")
+    min_groups: int = Field(2, ge=1, description="Groups a kind needs at its level before the level moves.")
+    bare_share: float = Field(
+        0.25, ge=0, le=1, description="Share of a guided kind's problems still asked bare (by a hash of the problem): "
+        "they measure what the hint is meant to teach, and are never skipped.")
+
+    @model_validator(mode="after")
+    def _band_ok(self) -> FrontierConfig:
+        if self.raise_below >= self.withdraw_above:
+            raise ValueError(f"frontier.raise_below ({self.raise_below}) must be below withdraw_above "
+                             f"({self.withdraw_above})")
+        return self
+
+
 class SftConfig(_Strict):
     """The optional SFT stage between score and update: supervised fine-tuning on selected trajectories."""
 
@@ -672,6 +710,7 @@ class CampaignConfig(_Strict):
     curation: CurationConfig = Field(default_factory=CurationConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    frontier: FrontierConfig = Field(default_factory=FrontierConfig)
     sft: SftConfig = Field(default_factory=SftConfig)
     group_size: int = Field(8, ge=2, description="G: samples per problem; GRPO compares within a group.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

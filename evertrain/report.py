@@ -11,7 +11,8 @@ from evertrain.stats import min_detectable_gain
 COLUMNS = [
     ("iteration", "iter"), ("mean_reward", "mean reward"), ("zero_variance_share", "zero-var groups"),
     ("gate_challenger_pass1", "challenger pass@1"), ("gate_champion_pass1", "champion pass@1"),
-    ("challenger_eval_share", "share evaluated"),
+    ("challenger_eval_share", "share evaluated"), ("predicted_informative", "predicted signal"),
+    ("guided_share", "guided"),
     ("challenger_version", "challenger"), ("promoted", "promoted"), ("wall_s", "wall s"),
     ("eval_share", "eval share"), ("cpu_s", "cpu s"), ("tokens", "tokens"), ("dollars", "$"),
 ]
@@ -233,6 +234,22 @@ def format_diversity(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['informative_share']:.2f} of {r['groups']}"
             + ("" if r.get("temperature") is None else f", sampled at temperature {r['temperature']:.2f}")
             for r in rows]
+
+
+def format_frontier(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per iteration the frontier chose (evertrain.frontier): the informative share it predicted for the
+    curated problems against the one observed, bare and guided apart, the share guided, the candidates skipped."""
+    lines = []
+    for r in rows:
+        if r.get("predicted_informative") is None:
+            continue
+        observed = [f"{name} {r[f'informative_{name}']:.2f} of {r[f'groups_{name}']}" for name in ("bare", "guided")
+                    if r.get(f"informative_{name}") is not None]
+        lines.append(f"frontier i={r['iteration']}: predicted informative {r['predicted_informative']:.2f}, observed "
+                     f"{', '.join(observed) or '-'}; guided {r.get('guided_share') or 0:.0%} of problems (mean level "
+                     f"{r.get('guidance_level_mean') or 0:.2f}), {r.get('skipped_uninformative') or 0} candidates "
+                     "skipped as uninformative")
+    return lines
 
 
 # --- gate power ---------------------------------------------------------------------------------------

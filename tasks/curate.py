@@ -16,8 +16,10 @@ level for the iteration (``curriculum.enabled``; :mod:`evertrain.curriculum`), t
    zeroed, its sign or a digit changed; :func:`evertrain.envs.quality.hackable`), in environments graded on a
    final answer (``curation.quality_check``): the policy would learn that answer, not the problem;
 6. ``too_easy`` / ``too_hard``: the trainee passed all, or none, of its last ``curation.history_k``
-   attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
-   shared by every iteration of the campaign; only earlier iterations count, so reruns are stable).
+   bare attempts (the pass-rate history is the ``rollouts`` table itself, so it survives restarts and is
+   shared by every iteration of the campaign; only earlier iterations count, so reruns are stable);
+7. ``uninformative`` (``frontier.enabled``): its kind's recent groups predict rewards that all agree
+   (:mod:`evertrain.frontier`, which also puts a hint in the prompts of kinds that keep failing).
 
 The stage records how many candidates each rule dropped. Rules 2 and 3's n-gram checks apply to problems
 written in natural language (data sets such as GSM8K or MBPP); problems stamped from templates by a
@@ -41,10 +43,14 @@ from evertrain.data.store import now, to_json
 from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem
 from evertrain.envs.quality import Majority, NgramIndex, answer_majority, hackable
+from evertrain.frontier import Plan, Selection, curated_metrics, guide
+from evertrain.frontier import plan as frontier_plan
+from evertrain.frontier import record as frontier_record
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import allocate, run_stage
 
-RULES = ("duplicate", "near_duplicate", "contaminated", "guessable", "hackable", "too_easy", "too_hard")
+RULES = ("duplicate", "near_duplicate", "contaminated", "guessable", "hackable", "too_easy", "too_hard",
+         "uninformative")
 _log = logging.getLogger(__name__)
 
 
@@ -101,12 +107,16 @@ def attempt_history(rt: Runtime, iteration: int, ids: list[str], k: int) -> dict
 
 
 def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Problem], want: int,
-           taken: set[str], chosen: NgramIndex, dropped: dict[str, int]) -> list[Problem]:
+           taken: set[str], chosen: NgramIndex, dropped: dict[str, int],
+           selection: Selection | None = None) -> list[Problem]:
     """The first ``want`` of ``candidates`` that pass the rules (module docstring), in order.
 
     ``taken`` (the iteration's problem ids so far) and ``chosen`` (their natural-language prompts' 3-grams)
-    grow with every kept problem; ``dropped`` counts the candidates each rule dropped. Used by curation and
-    by dynamic sampling's refill draws (tasks/dynamic_sampling.py), so both keep out the same problems.
+    grow with every kept problem; ``dropped`` counts the candidates each rule dropped. With
+    ``frontier.enabled`` the frontier (:mod:`evertrain.frontier`) decides last, into ``selection``: it skips
+    candidates predicted uninformative (``uninformative``) and returns the kept ones guided where it says. Used
+    by curation and by dynamic sampling's refill draws (tasks/dynamic_sampling.py), so both keep out the same
+    problems.
     """
     rules = rt.config.curation
     held_ids, held_index = _held_out_index(rt.config.model_dump_json())
@@ -119,6 +129,10 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
     majority = _majority(rt.config, env) if rules.quality_check and candidates else None
     guessable = majority is not None and majority.share > rules.max_majority_share
     hacked = hackable(env, candidates) if rules.quality_check and not guessable else set()
+    if rt.config.frontier.enabled:
+        selection = selection if selection is not None else Selection()
+        frontier_plan(rt, iteration, env, candidates, selection)
+    plans = selection.plans if selection is not None else {}
     kept: list[Problem] = []
     for problem in candidates:
         if len(kept) == want:
@@ -140,12 +154,14 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
             rule = "too_easy"
         elif rules.history_k and attempts >= rules.history_k and passes == 0:
             rule = "too_hard"
+        elif problem.id in plans and plans[problem.id].skip:
+            rule = "uninformative"
         else:
             rule = None
         if rule is not None:
             dropped[rule] += 1
             continue
-        kept.append(problem)
+        kept.append(guide(env, problem, plans.get(problem.id)))
         taken.add(problem.id)
         if natural:
             chosen.add(problem.prompt)
@@ -153,11 +169,16 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
 
 
 def problem_row(rt: Runtime, iteration: int, env: Environment, problem: Problem,
-                refill_round: int = 0) -> dict[str, Any]:
-    """The ``problems`` row of ``problem`` (``refill_round`` >= 1: drawn by dynamic sampling)."""
+                refill_round: int = 0, chosen: Plan | None = None) -> dict[str, Any]:
+    """The ``problems`` row of ``problem`` (``refill_round`` >= 1: drawn by dynamic sampling; ``chosen``: the
+    frontier's plan for it, with ``frontier.enabled``)."""
+    guidance = problem.payload.get("guidance")
     return {"campaign": rt.campaign, "iteration": iteration, "problem_id": problem.id, "env": env.name,
             "split": problem.split, "prompt": problem.prompt, "payload": to_json(problem.payload),
-            "messages": to_json(env.messages(problem)), "created_at": now(), "refill_round": refill_round}
+            "messages": to_json(env.guided_messages(problem)), "created_at": now(), "refill_round": refill_round,
+            "kind": None if chosen is None else chosen.kind,
+            "guidance": int(guidance["level"]) if isinstance(guidance, dict) else (None if chosen is None else 0),
+            "predicted_informative": None if chosen is None else chosen.predicted}
 
 
 def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
@@ -180,6 +201,7 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     dropped = dict.fromkeys(RULES, 0)
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
+    selections: list[Selection] = []
     for spec, share in zip(config.environments, shares, strict=True):
         env = rt.env(spec.name)
         if not share:
@@ -187,8 +209,10 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
             continue
         candidates = curriculum_candidates(rt, iteration, env, share * rules.oversample,
                                            seed_for(config.seed, iteration, spec.name))
-        kept = select(rt, iteration, env, candidates, share, taken, chosen, dropped)
-        rows += [problem_row(rt, iteration, env, p) for p in kept]
+        selection = Selection()
+        kept = select(rt, iteration, env, candidates, share, taken, chosen, dropped, selection)
+        selections.append(selection)
+        rows += [problem_row(rt, iteration, env, p, chosen=selection.plans.get(p.id)) for p in kept]
         metrics[f"problems_{spec.name}"] = len(kept)
     if config.serving.curate_from_traces:  # the endpoint's verifiable traces, failures first (evertrain.serving)
         from evertrain.curriculum import broad_guard
@@ -198,6 +222,9 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         broad, broad_index = broad_guard(rt)  # no trace may enter the broad sealed set either
         rows += trace_rows(rt, taken, metrics, (set(held_ids) | set(broad), _EitherIndex(held_index, broad_index)),
                            lambda p: problem_row(rt, iteration, rt.env(p.env), p))
+    if config.frontier.enabled:  # each kind's guidance level, from earlier iterations only (evertrain.frontier)
+        metrics.update(frontier_record(rt, iteration, selections))
+        metrics.update(curated_metrics(rows, selections))
     rt.store.replace("problems", {"campaign": rt.campaign, "iteration": iteration}, rows)
     metrics["problems"] = len(rows)
     metrics.update({f"dropped_{rule}": count for rule, count in dropped.items()})

@@ -35,6 +35,7 @@ from evertrain.curriculum import candidates as curriculum_candidates
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
 from evertrain.envs.quality import NgramIndex
+from evertrain.frontier import Selection
 from evertrain.inference.base import SamplingStats
 from evertrain.runtime import Runtime, seed_for
 from evertrain.scoring import pop_sandbox_runs
@@ -70,6 +71,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
         if not rt.env(row.env).templated:
             chosen.add(row.prompt)
     dropped = dict.fromkeys(RULES, 0)
+    selection = Selection()  # the frontier's decisions (frontier.enabled): the same as curate's, from the same store
 
     problem_rows: list[dict[str, Any]] = []
     rollout_rows: list[dict[str, Any]] = []
@@ -81,14 +83,15 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
     for round_ in range(1, rounds + 1):
         if not any(open_slots.values()):
             break
-        fresh = _draw(rt, iteration, round_, open_slots, taken, chosen, dropped)
+        fresh = _draw(rt, iteration, round_, open_slots, taken, chosen, dropped, selection)
         if not fresh:  # no fresh problem passes curation's rules: another round would draw the same
             break
         draws += 1
         if checkpoint is None:
             version = rollout_version(rt, iteration, default=rt.trainee_version)
             checkpoint = rt.checkpoint(version)
-        new_problems = [problem_row(rt, iteration, rt.env(p.env), p, round_) for p in fresh]
+        new_problems = [problem_row(rt, iteration, rt.env(p.env), p, round_, selection.plans.get(p.id))
+                        for p in fresh]
         rows, sandbox, round_stats, sample_fanout = sample_groups(
             rt, iteration, pd.DataFrame(new_problems), version, checkpoint, refill_round=round_, label="refill")
         by_id = {p.id: p for p in fresh}
@@ -126,7 +129,7 @@ def refill(rt: Runtime, iteration: int, scored: pd.DataFrame) -> dict[str, Any]:
 
 
 def _draw(rt: Runtime, iteration: int, round_: int, open_slots: dict[str, int], taken: set[str],
-          chosen: NgramIndex, dropped: dict[str, int]) -> list[Problem]:
+          chosen: NgramIndex, dropped: dict[str, int], selection: Selection) -> list[Problem]:
     """Fresh problems for this round's open slots, per environment, through curation's rules."""
     config, fresh = rt.config, []
     for env_name, need in open_slots.items():
@@ -136,7 +139,7 @@ def _draw(rt: Runtime, iteration: int, round_: int, open_slots: dict[str, int], 
         # at the iteration's curriculum level, like curate's draw (evertrain.curriculum)
         candidates = curriculum_candidates(rt, iteration, env, need * config.curation.oversample,
                                            seed_for(config.seed, iteration, env_name, "refill", round_))
-        fresh += select(rt, iteration, env, candidates, need, taken, chosen, dropped)
+        fresh += select(rt, iteration, env, candidates, need, taken, chosen, dropped, selection)
     return fresh
 
 

@@ -64,6 +64,10 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     }
     for env, rewards in frame.groupby("env")["reward"]:
         metrics[f"mean_reward_{env}"] = float(rewards.mean())
+    if rt.config.frontier.enabled:  # bare and guided groups apart (evertrain.frontier)
+        from evertrain.frontier import score_metrics
+
+        metrics.update(score_metrics(frame.assign(passed=scores["passed"].to_numpy())))
     # DAPO's dynamic sampling (update.dynamic_sampling_draws): refill the zero-variance groups' places with
     # informative groups of fresh problems, a bounded number of rounds; their rows are this stage's own
     from evertrain.tasks.dynamic_sampling import drop_refills, refill

@@ -75,6 +75,14 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "distinct_completions": score.get("diversity_distinct_completions"),
             "token_entropy": score.get("diversity_token_entropy"),
             "informative_share": score.get("diversity_informative_share"),
+            # the frontier (evertrain.frontier, frontier.enabled): what was predicted, guided and observed
+            "guided_share": curate.get("guided_share"),
+            "guidance_level_mean": curate.get("guidance_level_mean"),
+            "predicted_informative": curate.get("predicted_informative_share"),
+            "skipped_uninformative": curate.get("dropped_uninformative"),
+            "informative_bare": score.get("informative_share_bare"),
+            "informative_guided": score.get("informative_share_guided"),
+            "groups_bare": score.get("groups_bare"), "groups_guided": score.get("groups_guided"),
             "pass1_challenger": evaluate.get("pass1_challenger"),
             # below 1 where the gate stopped a clearly worse challenger early (pass@1 is then on that share)
             "challenger_eval_share": evaluate.get("challenger_eval_share"),

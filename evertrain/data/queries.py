@@ -129,14 +129,17 @@ class Queries:
                ORDER BY r.problem_id, r.sample""", [campaign, iteration])
 
     def attempt_history(self, campaign: str, before: int, ids: list[str], k: int) -> dict[str, tuple[int, int]]:
-        """(attempts, passes) over each problem's last ``k`` scored attempts in iterations before ``before``."""
+        """(attempts, passes) over each problem's last ``k`` scored bare attempts (no frontier hint) in iterations
+        before ``before``."""
         frame = self.query(
             """SELECT problem_id, count(*) AS attempts, sum(passed::INTEGER) AS passes FROM (
                    SELECT problem_id, passed, row_number() OVER (
                        PARTITION BY problem_id ORDER BY iteration DESC, sample) AS recent
-                   FROM rollouts
+                   FROM rollouts r
                    WHERE campaign = ? AND iteration < ? AND passed IS NOT NULL
-                     AND problem_id IN (SELECT unnest(?::VARCHAR[])))
+                     AND problem_id IN (SELECT unnest(?::VARCHAR[])) AND NOT EXISTS (
+                         SELECT 1 FROM problems p WHERE p.campaign = r.campaign AND p.iteration = r.iteration
+                           AND p.problem_id = r.problem_id AND p.guidance > 0))
                WHERE recent <= ? GROUP BY problem_id""", [campaign, before, ids, k])
         return {row.problem_id: (int(row.attempts), int(row.passes)) for row in frame.itertuples(index=False)}
 
@@ -161,12 +164,37 @@ class Queries:
         return {row.env: (int(row.groups), float(row.pass_rate), float(row.informative))
                 for row in frame.itertuples(index=False)}
 
-    def recent_group_pass_rates(self, campaign: str, env: str, first: int, before: int, limit: int) -> pd.DataFrame:
-        """The pass rates of ``env``'s last ``limit`` scored groups in iterations [first, before), newest first:
-        iteration, problem_id, pass_rate."""
+    def kind_groups(self, campaign: str, env: str, before: int, kinds: list[str]) -> pd.DataFrame:
+        """Every scored group of ``env``'s problems of the given kinds in iterations before ``before``, newest first:
+        kind, guidance (0: bare), iteration, problem_id, pass_rate, informative (its rewards disagree)."""
         return self.query(
-            """SELECT iteration, problem_id, avg(passed::INTEGER) AS pass_rate FROM rollouts
+            """SELECT p.kind, coalesce(p.guidance, 0) AS guidance, r.iteration, r.problem_id,
+                      avg(r.passed::INTEGER) AS pass_rate, max(r.reward) > min(r.reward) AS informative
+               FROM rollouts r JOIN problems p
+                 ON p.campaign = r.campaign AND p.iteration = r.iteration AND p.problem_id = r.problem_id
+               WHERE r.campaign = ? AND r.env = ? AND r.iteration < ? AND r.reward IS NOT NULL
+                 AND p.kind IN (SELECT unnest(?::VARCHAR[]))
+               GROUP BY p.kind, coalesce(p.guidance, 0), r.iteration, r.problem_id
+               ORDER BY r.iteration DESC, r.problem_id""", [campaign, env, before, kinds])
+
+    def frontier_levels(self, campaign: str, env: str, before: int, kinds: list[str]) -> dict[str, tuple[int, int]]:
+        """Each given kind's (level, since) as the latest ``frontier`` row before ``before`` left it."""
+        frame = self.query(
+            """SELECT kind, level, since FROM (
+                   SELECT kind, level, since, row_number() OVER (PARTITION BY kind ORDER BY iteration DESC) AS recent
+                   FROM frontier WHERE campaign = ? AND env = ? AND iteration < ?
+                     AND kind IN (SELECT unnest(?::VARCHAR[])))
+               WHERE recent = 1""", [campaign, env, before, kinds])
+        return {row.kind: (int(row.level), int(row.since)) for row in frame.itertuples(index=False)}
+
+    def recent_group_pass_rates(self, campaign: str, env: str, first: int, before: int, limit: int) -> pd.DataFrame:
+        """The pass rates of ``env``'s last ``limit`` scored bare groups (no frontier hint) in iterations [first,
+        before), newest first: iteration, problem_id, pass_rate."""
+        return self.query(
+            """SELECT iteration, problem_id, avg(passed::INTEGER) AS pass_rate FROM rollouts r
                WHERE campaign = ? AND env = ? AND iteration >= ? AND iteration < ? AND passed IS NOT NULL
+                 AND NOT EXISTS (SELECT 1 FROM problems p WHERE p.campaign = r.campaign
+                                   AND p.iteration = r.iteration AND p.problem_id = r.problem_id AND p.guidance > 0)
                GROUP BY iteration, problem_id ORDER BY iteration DESC, problem_id LIMIT ?""",
             [campaign, env, first, before, limit])
 

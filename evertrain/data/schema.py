@@ -297,6 +297,21 @@ APPROVAL_ATTEMPTS = Table("approval_attempts", comment=(
     Column("why", "VARCHAR"), Column("happened_at", "TIMESTAMPTZ"),
 ))
 
+FRONTIER = Table("frontier", comment=(
+    "each problem kind's guidance level per iteration and environment, and why it moved (evertrain.frontier)"
+), key=("campaign", "iteration", "env", "kind"), columns=(
+    Column("campaign", "VARCHAR"), Column("iteration", "INTEGER"), Column("env", "VARCHAR"),
+    Column("kind", "VARCHAR", "what the environment calls the problems' kind (Environment.problem_kind)"),
+    Column("level", "INTEGER", "the guidance level of the kind's problems this iteration (0: bare)"),
+    Column("previous_level", "INTEGER"),
+    Column("since", "INTEGER", "the iteration the kind entered this level"),
+    Column("groups", "INTEGER", "the kind's groups at its previous level that decided (the window)"),
+    Column("pass_rate", "DOUBLE"), Column("informative_share", "DOUBLE"),
+    Column("predicted_informative", "DOUBLE", "(informative + 1) / (groups + 2) at the level it is at now"),
+    Column("action", "VARCHAR", "raise, withdraw or hold"), Column("reason", "VARCHAR"),
+    Column("created_at", "TIMESTAMPTZ"),
+))
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "the schema before migrations: problems, rollouts, evals, promotions, lineage, audit, serving, "
                  "curriculum", tuple(CreateTable(table) for table in V1_TABLES)),
@@ -319,6 +334,14 @@ MIGRATIONS: tuple[Migration, ...] = (
                AddColumn("rollbacks", Column("host", "VARCHAR", "the machine the rollback was made on")),
                AddColumn("rollbacks", Column("unpromoted", "BOOLEAN", "the version restored had never been "
                                              "champion (--allow-unpromoted)")))),
+    Migration(5, "the frontier: each problem's kind, guidance level and predicted chance of an informative group; "
+                 "each kind's guidance level per iteration (frontier)",
+              (AddColumn("problems", Column("kind", "VARCHAR", "Environment.problem_kind, with frontier.enabled")),
+               AddColumn("problems", Column("guidance", "INTEGER", "the hint level in its prompt (0 or NULL: bare; "
+                                            "never on a gate, sealed or broad problem)")),
+               AddColumn("problems", Column("predicted_informative", "DOUBLE", "the frontier's predicted chance "
+                                            "that its group's rewards disagree")),
+               CreateTable(FRONTIER))),
 )
 LATEST = MIGRATIONS[-1].version
 BOOKKEEPING = ("schema_info", "schema_migrations")  # the schema's own tables, not the campaign's data

@@ -189,6 +189,56 @@ class Arithmetic(MathEnvironment):
         train, held = self._pools
         return len(held) if split == "eval" else len(train)
 
+    # --- guidance (evertrain.frontier) ----------------------------------------------------------------
+
+    hint_levels: ClassVar[int] = 3
+
+    @staticmethod
+    def _triple(problem: Problem) -> Triple | None:
+        expr = problem.payload.get("expr") or problem.prompt.removeprefix("What is ").rstrip("?")
+        parts = str(expr).split()
+        if len(parts) != 3 or parts[1] not in _OPS:
+            return None
+        try:
+            return int(parts[0]), parts[1], int(parts[2])
+        except ValueError:
+            return None
+
+    def problem_kind(self, problem: Problem) -> str:
+        """Operator, the operands' digits and the answer's sign: e.g. ``- 2d neg`` (what makes these hard here:
+        a 135M model learns two-digit sums well before it learns negative differences)."""
+        triple = self._triple(problem)
+        if triple is None:
+            return problem.id
+        a, op, b = triple
+        digits = len(str(max(abs(a), abs(b))))
+        return f"{op} {digits}d{' neg' if _OPS[op](a, b) < 0 else ''}"
+
+    def hint(self, problem: Problem, level: int) -> str | None:
+        """Steps the verifier's answer follows from, one more per level; never the final answer itself."""
+        triple = self._triple(problem)
+        if triple is None or not 1 <= level <= self.hint_levels:
+            return None
+        a, op, b = triple
+        if op == "-" and a < b:  # the sign first, then the reversed difference, then its value
+            steps = [f"{b} is larger than {a}, so {a} - {b} is negative.",
+                     f"{a} - {b} = -({b} - {a}).",
+                     f"{b} - {a} = {b - a}, so {a} - {b} = -({b - a})."]
+            return "Hint: " + " ".join(steps[:level])
+        tens, ones = (b // 10) * 10, b % 10
+        if op in "+-" and tens and ones:  # split the second number into tens and ones
+            first = _OPS[op](a, tens)
+            steps = [f"{a} {op} {b} = {a} {op} {tens} {op} {ones}.", f"{a} {op} {tens} = {first}.",
+                     f"Then {first} {op} {ones}."]
+            return "Hint: " + " ".join(steps[:level])
+        if op == "*" and tens and ones:
+            steps = [f"{a} * {b} = {a} * {tens} + {a} * {ones}.", f"{a} * {tens} = {a * tens}.",
+                     f"{a} * {ones} = {a * ones}."]
+            return "Hint: " + " ".join(steps[:level])
+        steps = [f"Work out {a} {op} {b} step by step.", f"Write the step as '{a} {op} {b} = ...'.",
+                 "Then end with the line '#### <number>'."]
+        return "Hint: " + " ".join(steps[:level])
+
     def reference(self, problem: Problem) -> str | None:
         expr = problem.payload.get("expr") or problem.prompt.removeprefix("What is ").rstrip("?")
         return f"{expr} = {problem.payload['answer']}\n#### {problem.payload['answer']}"

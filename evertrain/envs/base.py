@@ -169,6 +169,29 @@ class Environment(ABC):
         chat.append({"role": "user", "content": problem.prompt})
         return chat
 
+    def guided_messages(self, problem: Problem) -> list[dict[str, str]]:
+        """:meth:`messages`, with the frontier's hint (the payload's ``guidance``, only ever on curated training
+        problems) after the problem in the last user message."""
+        chat = self.messages(problem)
+        guidance = problem.payload.get("guidance")
+        if isinstance(guidance, dict) and guidance.get("hint"):
+            chat = [*chat[:-1], {**chat[-1], "content": f"{chat[-1]['content']}\n\n{guidance['hint']}"}]
+        return chat
+
+    # guidance (evertrain.frontier): how many hint levels this environment can state, the strongest last
+    hint_levels: ClassVar[int] = 0
+
+    def problem_kind(self, problem: Problem) -> str:
+        """The kind ``problem`` belongs to in the frontier's statistics (:mod:`evertrain.frontier`): problems of
+        one kind are expected to be about as hard for the policy. Default: the problem itself (fixed pools, where
+        a problem comes back); generators override it with what makes their problems hard."""
+        return problem.id
+
+    def hint(self, problem: Problem, level: int) -> str | None:
+        """A hint at ``level`` (1 to :attr:`hint_levels`, stronger as it rises) that makes ``problem`` reachable
+        without stating its final answer; None: no hint at that level."""
+        return None
+
     @abstractmethod
     def verify(self, problem: Problem, completion: str) -> Verdict:
         """Grade ``completion``. Never raises because of what the completion contains."""

@@ -96,7 +96,7 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
         return episodes, stats
 
     eos_text = tokenizer.eos_token or ""
-    chats = [env.messages(p) for p in problems]
+    chats = [env.guided_messages(p) for p in problems]  # the prompt as curated: with its hint, if any
     history: dict[tuple[int, int], list[dict[str, str]]] = {}
     for turn in range(1, env.max_turns):
         pending = []
