@@ -390,6 +390,12 @@ class EvalConfig(_Strict):
         0, ge=0, description="Problems per environment measured from its sealed test split (and as many from its "
         "transfer split): neither curation nor the gate sees them; the base model and every new champion are "
         "measured on them after promotion (0: not measured; the demo measures 100).")
+    sealed_every: int = Field(
+        1, ge=1, le=1000, description="When the sealed splits and the broad sealed set are measured. 1: the base "
+        "model once and every new champion right after its promotion. k > 1 (a multiple of eval.every): only at "
+        "iterations whose number + 1 is a multiple of k, the champion in effect then, unless it was measured "
+        "before; a champion replaced in between is never measured. Each measurement costs the sealed problems' "
+        "greedy answers (promote's sealed_s); the gate's statistics do not depend on it.")
     rotations: int = Field(
         1, ge=1, le=20, description="The gate's held-out problems are this many disjoint sets of eval_problems each, "
         "drawn at once and all kept out of training; the k-th gate of the campaign compares on set k mod rotations. "
@@ -401,6 +407,14 @@ class EvalConfig(_Strict):
         "curriculum levels (evertrain.curriculum; level 0 from its own pool, higher levels drawn once with seeds of "
         "their own), so a trainee that learned at higher levels can show it: a gate at the configured level sees "
         "nothing once the champion solves that level. Curation refuses them like any gate problem.")
+
+    @model_validator(mode="after")
+    def _sealed_on_a_gate(self) -> EvalConfig:
+        if self.sealed_every > 1 and self.sealed_every % self.every:
+            raise ValueError(f"eval.sealed_every ({self.sealed_every}) must be a multiple of eval.every "
+                             f"({self.every}): the sealed sets are measured in the promote stage, which runs only "
+                             "at a gate")
+        return self
 
 
 class PromotionConfig(_Strict):

@@ -133,12 +133,22 @@ def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
     plt.close(figure)
 
 
-def _sealed(rt: Runtime, iteration: int, champion: int) -> dict[str, Any]:
-    """Measure the base model (once) and the new champion on the sealed splits and the broad sealed set, after
-    the decision (a broad set is measured even where the sealed splits are off)."""
+def _sealed(rt: Runtime, iteration: int, champion: int, promoted: bool) -> dict[str, Any]:
+    """Measure the base model (once) and the champion on the sealed splits and the broad sealed set, after the
+    decision (a broad set is measured even where the sealed splits are off): every new champion, or with
+    ``eval.sealed_every`` = k > 1 the champion in effect at every k-th iteration, unless it was measured before."""
     if not rt.config.eval.sealed_problems and not any(s.sealed_problems for s in rt.config.environments) \
             and not rt.config.curriculum.broad_per_level:
         return {}
+    every = rt.config.eval.sealed_every
+    if every == 1 and not promoted:
+        return {}
+    if every > 1:
+        if (iteration + 1) % every:
+            return {"sealed_deferred": 1.0}  # measured at the next scheduled iteration, if still champion then
+        measured = set(rt.store.sealed_pass_counts(rt.campaign)["model_version"].astype(int))
+        versions = [v for v in (rt.base_version(), champion) if v not in measured]
+        return evaluate_sealed(rt, iteration, versions) if versions else {"sealed_problems": 0, "sealed_s": 0.0}
     return evaluate_sealed(rt, iteration, [rt.base_version(), champion])
 
 
@@ -202,7 +212,7 @@ def promote(rt: Runtime, iteration: int) -> dict[str, Any]:
         "promotion.promoted": decision["promoted"], "promotion.reason": decision["reason"],
         "promotion.challenger_version": challenger, "promotion.champion_version": champion,
     })
-    sealed = _sealed(rt, iteration, new_champion) if decision["promoted"] else {}
+    sealed = _sealed(rt, iteration, new_champion, decision["promoted"])
     _publish_artifacts(rt, iteration, decision, challenger, champion)
     _log_figure(rt, iteration, run_id)
     spent = rt.store.iteration_dollars(rt.campaign, iteration, excluding="promote")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
+import pytest
 from safetensors.torch import load_file
 
 from evertrain.config import CampaignConfig, PromotionConfig, UpdateConfig
@@ -279,3 +280,27 @@ def test_an_update_with_nothing_to_learn_registers_no_challenger(tmp_path, model
     assert "registered no challenger" in evaluated["skipped"] and "skipped" in promoted
     assert rt.store.query("SELECT * FROM evals").empty and rt.store.query("SELECT * FROM promotions").empty
     assert rt.trainee_version() == rt.champion_version() == 1
+
+
+def test_sealed_sets_measured_on_a_schedule_cost_nothing_in_between(tmp_path, models_dir):
+    """eval.sealed_every = 2: the promote stage of iteration 0 measures nothing on the sealed split (whatever the
+    gate decided), that of iteration 1 measures the base model and the champion in effect, once each."""
+    config = smoke_config_in(
+        tmp_path, models_dir, name="schedule", environments=[{"name": "digits", "weight": 1}],
+        problems_per_iteration=4, group_size=4, eval={"problems_per_env": 4, "sealed_problems": 3, "sealed_every": 2},
+        update={"learning_rate": 1e-2, "minibatch_size": 8, "microbatch_size": 8, "skip_zero_variance": False},
+        promotion={"bootstrap_samples": 200, "confidence": 0.0, "futility": 0.0})
+    rt = Runtime.open(config)
+    for iteration in (0, 1):
+        for stage in ("curate", "rollout", "score", "update", "evaluate", "promote"):
+            metrics = run_stage(rt, stage, iteration, STAGE_FUNCTIONS[stage])
+        sealed = rt.store.query("SELECT model_version, count(*) AS n FROM evals WHERE split = 'test' "
+                                "GROUP BY model_version")
+        if iteration == 0:
+            assert metrics.get("sealed_deferred") == 1.0 and sealed.empty
+    decided = rt.store.query("SELECT champion_version, challenger_version, promoted FROM promotions "
+                             "WHERE iteration = 1").iloc[0]
+    champion = int(decided["challenger_version"] if decided["promoted"] else decided["champion_version"])
+    assert dict(zip(sealed["model_version"], sealed["n"], strict=True)) == {rt.base_version(): 3, champion: 3}
+    with pytest.raises(ValueError, match="sealed_every"):
+        CampaignConfig.model_validate({"eval": {"every": 2, "sealed_every": 3}})
