@@ -89,6 +89,7 @@ class Selection:
 
     plans: dict[str, Plan] = field(default_factory=dict)
     states: dict[str, KindState] = field(default_factory=dict)
+    seconds: float = 0.0  # spent deciding (the store's queries and the plans): what the frontier costs
 
 
 def _unit(*key: Any) -> float:
@@ -138,6 +139,9 @@ def decide(kind: str, env: str, history: pd.DataFrame, level: int, since: int, i
 
 def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], selection: Selection) -> None:
     """Decide every candidate's kind, guidance level, prediction and whether it is skipped, into ``selection``."""
+    import time
+
+    began = time.perf_counter()
     cfg = rt.config.frontier
     kinds = {p.id: env.problem_kind(p) for p in candidates}
     wanted = sorted(set(kinds.values()) - set(selection.states))
@@ -165,6 +169,7 @@ def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], s
         skip = not probe and chance < cfg.skip_below and not explored
         selection.plans[problem.id] = Plan(kind=state.kind, guidance=level, predicted=round(chance, 4), skip=skip,
                                            explored=explored, probe=probe)
+    selection.seconds += time.perf_counter() - began
 
 
 def guide(env: Environment, problem: Problem, chosen: Plan | None) -> Problem:
@@ -188,6 +193,7 @@ def record(rt: Any, iteration: int, selections: list[Selection]) -> dict[str, An
              **{k: v for k, v in vars(s).items() if k != "bare_predicted"}, "created_at": stamp} for s in states]
     rt.store.replace("frontier", {"campaign": rt.campaign, "iteration": iteration}, rows)
     return {"frontier_kinds": len(rows), "frontier_guided_kinds": sum(s.level > 0 for s in states),
+            "frontier_s": round(sum(selection.seconds for selection in selections), 4),
             "frontier_raised": sum(s.action == "raise" for s in states),
             "frontier_withdrawn": sum(s.action == "withdraw" for s in states)}
 

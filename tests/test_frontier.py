@@ -12,10 +12,12 @@ from pathlib import Path
 import pandas as pd
 
 from evertrain.curriculum import broad_problems, ensure_broad, gate_problems
+from evertrain.data.lineage import iteration_report
 from evertrain.data.store import now
 from evertrain.envs import registry
 from evertrain.frontier import predicted
 from evertrain.models.checkpoint import encode_chat
+from evertrain.report import format_frontier
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
@@ -112,6 +114,11 @@ def test_a_kind_failing_every_sample_gets_a_hint_and_loses_it_as_its_pass_rate_r
     trained = set(rt.store.query("SELECT problem_id FROM problems WHERE campaign = ? AND guidance > 0",
                                  [rt.campaign])["problem_id"])
     assert trained and not trained & {p.id for p in held}
+    # shown per iteration: the report's frontier lines and MLflow's curve over iterations
+    lines = format_frontier(iteration_report(rt.store, rt.campaign))
+    assert any(line.startswith("frontier i=1: predicted informative") and "guided" in line for line in lines), lines
+    history = rt.tracker.client.get_metric_history(rt.tracker.campaign_run(), "curate/guided_share")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4] and max(m.value for m in history) > 0
 
 
 def test_hint_tokens_are_prompt_and_carry_no_policy_gradient(tmp_path, models_dir):

@@ -80,6 +80,7 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
             "guidance_level_mean": curate.get("guidance_level_mean"),
             "predicted_informative": curate.get("predicted_informative_share"),
             "skipped_uninformative": curate.get("dropped_uninformative"),
+            "frontier_s": curate.get("frontier_s"),
             "informative_bare": score.get("informative_share_bare"),
             "informative_guided": score.get("informative_share_guided"),
             "groups_bare": score.get("groups_bare"), "groups_guided": score.get("groups_guided"),
