@@ -146,7 +146,8 @@ class CurriculumConfig(_Strict):
 
 class FrontierConfig(_Strict):
     """Spend samples at the frontier of what the trainee can do (evertrain.frontier): skip candidates whose kind's
-    recent groups all agreed, and give a kind that keeps failing every sample a hint, withdrawn as it learns."""
+    recent groups all agreed, and give a kind that keeps failing every sample guidance (a hint, a partial answer),
+    withdrawn as it learns."""
 
     enabled: bool = Field(
         False, description="Select and guide each iteration's training problems by their kind's history in the store "
@@ -162,8 +163,9 @@ class FrontierConfig(_Strict):
         0.1, ge=0, le=1, description="Share of the candidates predicted uninformative kept anyway (chosen by a hash "
         "of the campaign seed, iteration and problem: reruns keep the same), so the predictions stay honest.")
     guidance: bool = Field(
-        True, description="Give a kind that keeps failing all samples a hint in its prompt (environments that can "
-        "state one: Environment.hint), raised one level at a time and withdrawn as its pass rate rises.")
+        True, description="Give a kind that keeps failing all samples guidance (environments that state it: a hint "
+        "in the question, Environment.hint, or the start of the answer for the policy to continue, "
+        "Environment.answer_prefix), raised one level at a time and withdrawn as its pass rate rises.")
     raise_below: float = Field(
         0.05, ge=0, lt=1, description="Raise a kind's guidance level when its pass rate over its last window groups "
         "at its level (at least min_groups of them) is at or below this.")
@@ -171,8 +173,9 @@ class FrontierConfig(_Strict):
         0.5, gt=0, le=1, description="Withdraw one guidance level when that pass rate is at or above this.")
     min_groups: int = Field(2, ge=1, description="Groups a kind needs at its level before the level moves.")
     bare_share: float = Field(
-        0.25, ge=0, le=1, description="Share of a guided kind's problems still asked bare (by a hash of the problem): "
-        "they measure what the hint is meant to teach, and are never skipped.")
+        0.25, ge=0, le=1, description="Share of a guided kind's problems still asked bare (by a hash of the problem) "
+        "once its guidance works (guided pass rate above raise_below): they measure what carries over to the bare "
+        "problem, and are never skipped.")
 
     @model_validator(mode="after")
     def _band_ok(self) -> FrontierConfig:

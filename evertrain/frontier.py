@@ -13,18 +13,18 @@ fixed pools, the problem itself (it comes back, so its own history predicts it).
 
 **Guidance** (``frontier.guidance``). A kind whose last ``window`` groups at its guidance level (at least
 ``min_groups``, scored since it entered that level) passed at most ``raise_below`` of their samples gets the next
-hint level in its prompts (:meth:`Environment.hint`: arithmetic states the sign, then the decomposition, then the
-reversed difference's value; never the final answer); one at ``withdraw_above`` or more loses a level, until its
-problems are asked bare again. A ``bare_share`` of a guided kind's problems (by a hash of the problem) stays bare
-and is never skipped: they measure what the hint is meant to teach. The hint is part of the user's message, so
-it is prompt: the update computes log-probs only of the completion, and hint tokens carry no policy-gradient
-weight (the alternative, a partial solution written into the completion, would put tokens the model never
-sampled where the update treats every token as sampled; it would need a mask of its own, and masking them
-still leaves the model's continuation conditioned on text it did not write, which a prompt hint states
-plainly). The policy thus learns to answer the guided prompt; the bare probes and every held-out measurement
-say whether that carries over to the bare problem. Guidance lives only in curated training problems (the
-problem's payload ``guidance`` and the ``problems.guidance`` column): the gate's, the sealed and the broad sets
-are built by their environments directly, never through curation, and carry none.
+guidance level; one at ``withdraw_above`` or more loses a level, until its problems are asked bare again. The
+environment states the guidance: a hint added to the problem's message (:meth:`Environment.hint`) and the start
+of the answer, which the policy continues (:meth:`Environment.answer_prefix`; arithmetic writes the working's
+first steps, left open where the model must compute, never the final answer). Both are prompt: the chat's
+assistant turn is left open after the prefix (``encode_chat``), so the update computes log-probs only of the
+tokens the policy sampled after it, and guidance tokens carry no policy-gradient weight (masking by
+construction: the stored prompt says plainly what the policy was conditioned on). The policy thus learns to
+finish the guided answer; once a kind's guidance works (its guided pass rate above ``raise_below``) a
+``bare_share`` of its problems (by a hash of the problem) is asked bare and never skipped: they measure what
+carries over. Guidance lives only in curated training problems (the payload's ``guidance`` and the
+``problems.guidance`` column): the gate's, the sealed and the broad sets are built by their environments
+directly, never through curation, and carry none; sft and dpo imitate bare rollouts only.
 
 **Selection.** Each candidate's chance of an informative group is predicted as ``(informative + 1) /
 (groups + 2)`` over its kind's last ``window`` groups at the guidance level it would be asked at (a uniform
@@ -160,9 +160,12 @@ def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], s
     seed = rt.config.seed
     for problem in candidates:
         state = selection.states[kinds[problem.id]]
-        probe = state.level > 0 and _unit(seed, "probe", problem.id) < cfg.bare_share
+        # a guided kind's problems are asked bare now and then, once its hint works (what the hint taught is
+        # measured where there is something to measure; a kind still failing with its hint gets no bare probe)
+        working = state.pass_rate is not None and state.pass_rate > cfg.raise_below
+        probe = state.level > 0 and working and _unit(seed, "probe", problem.id) < cfg.bare_share
         level = 0 if probe else state.level
-        while level > 0 and env.hint(problem, level) is None:
+        while level > 0 and not _guidance(env, problem, level):
             level -= 1
         chance = state.bare_predicted if probe else state.predicted_informative
         explored = chance < cfg.skip_below and _unit(seed, iteration, "explore", problem.id) < cfg.explore
@@ -172,14 +175,29 @@ def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], s
     selection.seconds += time.perf_counter() - began
 
 
+def _guidance(env: Environment, problem: Problem, level: int) -> dict[str, Any]:
+    """The hint and the answer's prefix ``env`` states for ``problem`` at ``level`` (empty: none). A prefix only in
+    single-turn environments: a tool episode's later turns are rebuilt from the chat, not continued."""
+    out: dict[str, Any] = {}
+    hint = env.hint(problem, level)
+    if hint:
+        out["hint"] = hint
+    agentic = bool(env.tools) and env.max_turns > 1
+    prefix = None if agentic else env.answer_prefix(problem, level)
+    if prefix:
+        out["prefix"] = prefix
+    return out
+
+
 def guide(env: Environment, problem: Problem, chosen: Plan | None) -> Problem:
-    """``problem`` as trained: with its hint in the payload (``guidance``) when the plan guides it."""
+    """``problem`` as trained: with its guidance in the payload (``guidance``: level, hint, prefix) when the plan
+    guides it."""
     if chosen is None or chosen.guidance <= 0:
         return problem
-    hint = env.hint(problem, chosen.guidance)
-    if hint is None:
+    stated = _guidance(env, problem, chosen.guidance)
+    if not stated:
         return problem
-    return replace(problem, payload={**problem.payload, "guidance": {"level": chosen.guidance, "hint": hint}})
+    return replace(problem, payload={**problem.payload, "guidance": {"level": chosen.guidance, **stated}})
 
 
 def record(rt: Any, iteration: int, selections: list[Selection]) -> dict[str, Any]:

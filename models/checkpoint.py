@@ -210,6 +210,11 @@ def save_checkpoint(model: Any, dest: Path, base_model: str, **manifest: Any) ->
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template, ending with the assistant's turn."""
+    """Token ids of ``messages`` rendered with the chat template, ending with the assistant's turn: opened for the
+    model, or, when the last message is the assistant's (a partial answer written for it: the frontier's guidance),
+    continuing that message."""
+    if messages and messages[-1].get("role") == "assistant":
+        text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

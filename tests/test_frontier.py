@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -64,13 +66,13 @@ def _state(rt, iteration: int, kind: str) -> tuple[int, str]:
 
 
 def test_a_kind_failing_every_sample_gets_a_hint_and_loses_it_as_its_pass_rate_rises(tmp_path, models_dir):
-    config = _config(tmp_path, models_dir, bare_share=0.25)
+    config = _config(tmp_path, models_dir, bare_share=0.5)
     rt = Runtime.open(config)
     curate = STAGE_FUNCTIONS["curate"]
     run_stage(rt, "curate", 0, curate)
     first = _problems(rt, 0)
     assert set(first["kind"]) >= {NEG, POS} and (first["guidance"] == 0).all()
-    assert not first["messages"].str.contains("Hint:").any()
+    assert all(json.loads(m)[-1]["role"] == "user" for m in first["messages"])
     # every sample of the negative differences failed; the sums pass half the time
     _plant(rt, 0, NEG, [0, 0, 0])
     _plant(rt, 0, POS, [2, 2, 2])
@@ -78,38 +80,42 @@ def test_a_kind_failing_every_sample_gets_a_hint_and_loses_it_as_its_pass_rate_r
     assert _state(rt, 1, NEG) == (1, "raise") and _state(rt, 1, POS) == (0, "hold")
     rows = _problems(rt, 1)
     neg = rows[rows["kind"] == NEG]
-    guided, bare = neg[neg["guidance"] == 1], neg[neg["guidance"] == 0]
-    assert len(guided) >= 2 and metrics["guided_share"] > 0
-    for row in guided.itertuples():
-        hint = json.loads(row.payload)["guidance"]["hint"]
-        assert "is negative" in hint and hint in json.loads(row.messages)[-1]["content"]
-        answer = json.loads(row.payload)["answer"]
-        assert f"= {answer}" not in hint and f"#### {answer}" not in hint  # a foothold, not the answer
-    # the bare probes of the guided kind (bare_share) and the other kinds carry no hint
-    for row in [*bare.itertuples(), *rows[rows["kind"] != NEG].itertuples()]:
-        assert "guidance" not in json.loads(row.payload) and "Hint:" not in row.messages
-    # guided at level 1 it now passes 3 of 4: the hint is withdrawn, the problems are asked bare again
-    _plant(rt, 1, NEG, [3, 3, 3], guidance=1)
+    assert len(neg) >= 2 and (neg["guidance"] == 1).all()  # no bare probe while the hint has not worked yet
+    assert metrics["guided_share"] > 0
+    for row in neg.itertuples():
+        payload, chat = json.loads(row.payload), json.loads(row.messages)
+        prefix = payload["guidance"]["prefix"]
+        assert prefix.endswith("= -(") and chat[-1] == {"role": "assistant", "content": prefix}
+        assert not re.search(rf"(?<![\d-]){re.escape(payload['answer'])}(?!\d)", prefix)  # a foothold, no answer
+    for row in rows[rows["kind"] != NEG].itertuples():  # the other kinds are asked bare
+        assert "guidance" not in json.loads(row.payload) and json.loads(row.messages)[-1]["role"] == "user"
+    # guided, it passes a quarter of its samples: the level holds, and some of its problems are asked bare (probes)
+    _plant(rt, 1, NEG, [1, 1, 1], guidance=1)
     run_stage(rt, "curate", 2, curate)
-    assert _state(rt, 2, NEG) == (0, "withdraw")
-    assert (_problems(rt, 2)["guidance"] == 0).all()
-    # a kind still failing at level 1 climbs to level 2: its hints say more (the reversed difference)
-    _plant(rt, 2, NEG, [0, 0])
+    assert _state(rt, 2, NEG) == (1, "hold")
+    neg = _problems(rt, 2).query("kind == @NEG")
+    assert set(neg["guidance"]) == {0, 1}
+    # guided at level 1 it now passes 3 of 4: the guidance is withdrawn, the problems are asked bare again
+    _plant(rt, 2, NEG, [3, 3, 3], guidance=1)
     run_stage(rt, "curate", 3, curate)
-    assert _state(rt, 3, NEG) == (1, "raise")
-    _plant(rt, 3, NEG, [0, 0], guidance=1)
+    assert _state(rt, 3, NEG) == (0, "withdraw")
+    assert (_problems(rt, 3)["guidance"] == 0).all()
+    # a kind still failing at level 1 climbs to level 2: the partial answer says more (the reversed difference)
+    _plant(rt, 3, NEG, [0, 0])
     run_stage(rt, "curate", 4, curate)
-    assert _state(rt, 4, NEG) == (2, "raise")
-    stronger = _problems(rt, 4)
-    stronger = stronger[stronger["guidance"] == 2]
-    assert len(stronger) and all("= -(" in json.loads(p)["guidance"]["hint"] for p in stronger["payload"])
+    assert _state(rt, 4, NEG) == (1, "raise")
+    _plant(rt, 4, NEG, [0, 0], guidance=1)
+    run_stage(rt, "curate", 5, curate)
+    assert _state(rt, 5, NEG) == (2, "raise")
+    stronger = _problems(rt, 5).query("guidance == 2")
+    assert len(stronger) and all(json.loads(p)["guidance"]["prefix"].endswith(") = -") for p in stronger["payload"])
     # no hint ever reaches a held-out set: the gate's, the sealed splits' and the broad set's problems are bare
     env = rt.env("arithmetic")
     ensure_broad(rt)
     held = gate_problems(env, config) + [p for split in ("test", "transfer")
                                          for p in env.sealed_problems(split, 20, config.seed, 20)]
     held += broad_problems(rt)
-    assert held and all("guidance" not in p.payload and "Hint:" not in json.dumps(env.guided_messages(p))
+    assert held and all("guidance" not in p.payload and env.guided_messages(p)[-1]["role"] == "user"
                         for p in held)
     trained = set(rt.store.query("SELECT problem_id FROM problems WHERE campaign = ? AND guidance > 0",
                                  [rt.campaign])["problem_id"])
@@ -118,12 +124,13 @@ def test_a_kind_failing_every_sample_gets_a_hint_and_loses_it_as_its_pass_rate_r
     lines = format_frontier(iteration_report(rt.store, rt.campaign))
     assert any(line.startswith("frontier i=1: predicted informative") and "guided" in line for line in lines), lines
     history = rt.tracker.client.get_metric_history(rt.tracker.campaign_run(), "curate/guided_share")
-    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4] and max(m.value for m in history) > 0
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5] and max(m.value for m in history) > 0
 
 
 def test_hint_tokens_are_prompt_and_carry_no_policy_gradient(tmp_path, models_dir):
-    """The update trains on log-probs of completion tokens only: a guided rollout's hint lies in its prompt ids,
-    never among the tokens the loss weighs (this fails if a hint were written into the completion)."""
+    """The update trains on log-probs of completion tokens only: a guided rollout's partial answer (written for the
+    policy, which continued it) lies in its prompt ids, never among the tokens the loss weighs (this fails if the
+    prefix were stored as part of the completion)."""
     import torch
 
     from evertrain.models.checkpoint import load_policy
@@ -144,12 +151,10 @@ def test_hint_tokens_are_prompt_and_carry_no_policy_gradient(tmp_path, models_di
     assert len(rows), "no guided rollout"
     tokenizer = rt.inference.tokenizer(rt.checkpoint(rt.trainee_version()))
     for row in rows.itertuples():
-        hint = json.loads(row.payload)["guidance"]["hint"]
-        hint_ids = tokenizer(hint, add_special_tokens=False)["input_ids"]
+        prefix = json.loads(row.payload)["guidance"]["prefix"]
         prompt, completion = list(row.prompt_ids), list(row.completion_ids)
-        inside = any(prompt[i:i + len(hint_ids)] == hint_ids for i in range(len(prompt) - len(hint_ids) + 1))
-        assert inside, "the hint is not in the prompt the policy was conditioned on"
-        assert not any(completion[i:i + 4] == hint_ids[:4] for i in range(max(len(completion) - 3, 0)))
+        assert tokenizer.decode(prompt).endswith(prefix), "the prompt the policy continued does not end with it"
+        assert not tokenizer.decode(completion).startswith(prefix.strip())
         assert len(row.loss_mask) == len(completion)
     # force every group informative so the update's data holds the guided groups, then weigh the tokens
     frame = rt.store.query("SELECT problem_id, sample FROM rollouts WHERE campaign = ? AND iteration = 1",
@@ -213,8 +218,8 @@ def test_selection_is_predicted_from_stored_rollouts_and_survives_a_sigkill_and_
     pd.testing.assert_frame_equal(_problems(rt, 1)[first.columns].reset_index(drop=True), first)
 
 
-def test_curriculum_and_too_hard_count_bare_groups_only(tmp_path, models_dir):
-    """A hint must not make a level look mastered, nor a problem look solved."""
+def test_curriculum_too_hard_and_sft_count_bare_groups_only(tmp_path, models_dir):
+    """Guidance must not make a level look mastered, a problem look solved, or a continuation look like the policy's."""
     config = _config(tmp_path, models_dir)
     rt = Runtime.open(config)
     run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
@@ -224,6 +229,11 @@ def test_curriculum_and_too_hard_count_bare_groups_only(tmp_path, models_dir):
     assert len(rates) == 1 and float(rates["pass_rate"].iloc[0]) == 0.25  # the guided groups are left out
     history = rt.store.attempt_history(rt.campaign, 1, [f"planted-0-{NEG}-2-0", f"planted-0-{POS}-0-0"], 8)
     assert list(history) == [f"planted-0-{POS}-0-0"]
+    # sft imitates bare rollouts only: a guided one continued a start the policy did not write
+    from evertrain.config import DEFAULT_SFT_SELECT
+
+    picked = rt.store.sft_rollouts(rt.campaign, 0, DEFAULT_SFT_SELECT, 100)
+    assert set(picked["problem_id"]) == {f"planted-0-{POS}-0-0"}
 
 
 def test_an_environment_without_hints_is_selected_but_never_guided(tmp_path, models_dir):
@@ -234,8 +244,12 @@ def test_an_environment_without_hints_is_selected_but_never_guided(tmp_path, mod
     arithmetic = registry.get("arithmetic", **OPTIONS)
     sample = arithmetic.problems("train", 50, 0)
     assert {arithmetic.problem_kind(p) for p in sample} >= {NEG, POS}
-    tokens = encode_chat(_tokenizer(models_dir), arithmetic.guided_messages(sample[0]))
-    assert tokens == encode_chat(_tokenizer(models_dir), arithmetic.messages(sample[0]))  # unguided: unchanged
+    tokenizer = _tokenizer(models_dir)
+    tokens = encode_chat(tokenizer, arithmetic.guided_messages(sample[0]))
+    assert tokens == encode_chat(tokenizer, arithmetic.messages(sample[0]))  # unguided: unchanged
+    guided = replace(sample[0], payload={**sample[0].payload, "guidance": {"level": 1, "prefix": "12 + 7 = "}})
+    continued = tokenizer.decode(encode_chat(tokenizer, arithmetic.guided_messages(guided)))
+    assert continued.startswith(tokenizer.decode(tokens)) and continued.endswith("12 + 7 = ")
 
 
 def _tokenizer(models_dir: Path):

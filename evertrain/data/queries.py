@@ -239,7 +239,8 @@ class Queries:
 
     def sft_rollouts(self, campaign: str, iteration: int, chosen: str, max_examples: int) -> pd.DataFrame:
         """The rollouts the selection SQL ``chosen`` picks, one per group first, at most ``max_examples``:
-        iteration, problem_id, sample, env, prompt_ids, completion_ids, loss_mask, messages, rank_in_group."""
+        iteration, problem_id, sample, env, prompt_ids, completion_ids, loss_mask, messages, rank_in_group. Bare
+        rollouts only: a guided one (evertrain.frontier) continued a start the policy did not write."""
         return self._with_selection(campaign, iteration, chosen, f"""
             WITH chosen AS ({chosen}),
             picked AS (
@@ -250,13 +251,14 @@ class Queries:
                   ON r.iteration = c.iteration AND r.problem_id = c.problem_id AND r.sample = c.sample
                 LEFT JOIN problems p
                   ON p.campaign = r.campaign AND p.iteration = r.iteration AND p.problem_id = r.problem_id
-                WHERE r.campaign = $campaign)
+                WHERE r.campaign = $campaign AND coalesce(p.guidance, 0) = 0)
             SELECT * FROM picked ORDER BY rank_in_group, iteration, problem_id, sample LIMIT {int(max_examples)}""")
 
     def dpo_pairs(self, campaign: str, iteration: int, chosen: str, max_examples: int) -> pd.DataFrame:
         """Preference pairs within the groups of the rollouts ``chosen`` picks (the k-th pass against the k-th
         fail, one pair per group first, at most ``max_examples``), two rows each: pair, role ('chosen' then
-        'rejected'), iteration, problem_id, sample, env, passed, prompt_ids, completion_ids, loss_mask, messages."""
+        'rejected'), iteration, problem_id, sample, env, passed, prompt_ids, completion_ids, loss_mask, messages.
+        Bare rollouts only, as :meth:`sft_rollouts`."""
         return self._with_selection(campaign, iteration, chosen, f"""
             WITH chosen AS ({chosen}),
             picked AS (
@@ -267,7 +269,7 @@ class Queries:
                   ON r.iteration = c.iteration AND r.problem_id = c.problem_id AND r.sample = c.sample
                 LEFT JOIN problems p
                   ON p.campaign = r.campaign AND p.iteration = r.iteration AND p.problem_id = r.problem_id
-                WHERE r.campaign = $campaign AND r.passed IS NOT NULL),
+                WHERE r.campaign = $campaign AND r.passed IS NOT NULL AND coalesce(p.guidance, 0) = 0),
             pairs AS (
                 SELECT w.iteration, w.problem_id, w.sample AS chosen_sample, l.sample AS rejected_sample,
                        row_number() OVER (ORDER BY w.rank, w.iteration, w.problem_id) - 1 AS pair

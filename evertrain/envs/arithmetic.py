@@ -191,7 +191,7 @@ class Arithmetic(MathEnvironment):
 
     # --- guidance (evertrain.frontier) ----------------------------------------------------------------
 
-    hint_levels: ClassVar[int] = 3
+    hint_levels: ClassVar[int] = 2
 
     @staticmethod
     def _triple(problem: Problem) -> Triple | None:
@@ -214,30 +214,27 @@ class Arithmetic(MathEnvironment):
         digits = len(str(max(abs(a), abs(b))))
         return f"{op} {digits}d{' neg' if _OPS[op](a, b) < 0 else ''}"
 
-    def hint(self, problem: Problem, level: int) -> str | None:
-        """Steps the verifier's answer follows from, one more per level; never the final answer itself."""
+    def answer_prefix(self, problem: Problem, level: int) -> str | None:
+        """The working's first steps, one more per level, left open where the model must compute: the sign and the
+        reversed difference for a negative result, the second number split into tens and ones otherwise. Short on
+        purpose: a 135M model given a long hint in the question drifted into prose (the long campaign's first run)."""
         triple = self._triple(problem)
         if triple is None or not 1 <= level <= self.hint_levels:
             return None
         a, op, b = triple
-        if op == "-" and a < b:  # the sign first, then the reversed difference, then its value
-            steps = [f"{b} is larger than {a}, so {a} - {b} is negative.",
-                     f"{a} - {b} = -({b} - {a}).",
-                     f"{b} - {a} = {b - a}, so {a} - {b} = -({b - a})."]
-            return "Hint: " + " ".join(steps[:level])
-        tens, ones = (b // 10) * 10, b % 10
-        if op in "+-" and tens and ones:  # split the second number into tens and ones
-            first = _OPS[op](a, tens)
-            steps = [f"{a} {op} {b} = {a} {op} {tens} {op} {ones}.", f"{a} {op} {tens} = {first}.",
-                     f"Then {first} {op} {ones}."]
-            return "Hint: " + " ".join(steps[:level])
-        if op == "*" and tens and ones:
-            steps = [f"{a} * {b} = {a} * {tens} + {a} * {ones}.", f"{a} * {tens} = {a * tens}.",
-                     f"{a} * {ones} = {a * ones}."]
-            return "Hint: " + " ".join(steps[:level])
-        steps = [f"Work out {a} {op} {b} step by step.", f"Write the step as '{a} {op} {b} = ...'.",
-                 "Then end with the line '#### <number>'."]
-        return "Hint: " + " ".join(steps[:level])
+        if op == "-" and a < b:
+            steps = [f"{a} - {b} = -(", f"{a} - {b} = -({b} - {a}) = -"]
+        elif op in "+-" and b >= 10 and b % 10:
+            tens, ones = (b // 10) * 10, b % 10
+            split = f"{a} {op} {b} = {a} {op} {tens} {op} {ones} = "
+            steps = [split, f"{split}{_OPS[op](a, tens)} {op} {ones} = "]
+        elif op == "*" and b >= 10 and b % 10:
+            tens, ones = (b // 10) * 10, b % 10
+            split = f"{a} * {b} = {a} * {tens} + {a} * {ones} = "
+            steps = [split, f"{split}{a * tens} + {a * ones} = "]
+        else:
+            steps = [f"{a} {op} {b} = "]
+        return steps[level - 1] if level <= len(steps) else None
 
     def reference(self, problem: Problem) -> str | None:
         expr = problem.payload.get("expr") or problem.prompt.removeprefix("What is ").rstrip("?")

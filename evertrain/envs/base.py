@@ -170,12 +170,17 @@ class Environment(ABC):
         return chat
 
     def guided_messages(self, problem: Problem) -> list[dict[str, str]]:
-        """:meth:`messages`, with the frontier's hint (the payload's ``guidance``, only ever on curated training
-        problems) after the problem in the last user message."""
+        """:meth:`messages`, with the frontier's guidance (the payload's ``guidance``, only ever on curated training
+        problems): a hint after the problem in the last user message, and a partial answer the policy continues
+        (an assistant message left open)."""
         chat = self.messages(problem)
         guidance = problem.payload.get("guidance")
-        if isinstance(guidance, dict) and guidance.get("hint"):
+        if not isinstance(guidance, dict):
+            return chat
+        if guidance.get("hint"):
             chat = [*chat[:-1], {**chat[-1], "content": f"{chat[-1]['content']}\n\n{guidance['hint']}"}]
+        if guidance.get("prefix"):  # the start of the answer, written for the policy: it continues from there
+            chat = [*chat, {"role": "assistant", "content": guidance["prefix"]}]
         return chat
 
     # guidance (evertrain.frontier): how many hint levels this environment can state, the strongest last
@@ -188,8 +193,13 @@ class Environment(ABC):
         return problem.id
 
     def hint(self, problem: Problem, level: int) -> str | None:
-        """A hint at ``level`` (1 to :attr:`hint_levels`, stronger as it rises) that makes ``problem`` reachable
-        without stating its final answer; None: no hint at that level."""
+        """A hint at ``level`` (1 to :attr:`hint_levels`, stronger as it rises), added to the problem's message, that
+        makes ``problem`` reachable without stating its final answer; None: no hint at that level."""
+        return None
+
+    def answer_prefix(self, problem: Problem, level: int) -> str | None:
+        """The start of an answer at ``level`` (a partial solution, never the final answer), written for the policy,
+        which continues it; single-turn environments only. None: none at that level."""
         return None
 
     @abstractmethod
