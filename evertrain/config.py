@@ -162,6 +162,10 @@ class FrontierConfig(_Strict):
     explore: float = Field(
         0.1, ge=0, le=1, description="Share of the candidates predicted uninformative kept anyway (chosen by a hash "
         "of the campaign seed, iteration and problem: reruns keep the same), so the predictions stay honest.")
+    weighted: bool = Field(
+        False, description="Beyond skip_below, keep each candidate with probability its prediction / the best "
+        "prediction among its environment's candidates (by a hash of seed, iteration and problem): kinds likelier "
+        "to teach get more of the iteration, every kind above skip_below keeps a share (false: all kept).")
     guidance: bool = Field(
         True, description="Give a kind that keeps failing all samples guidance (environments that state it: a hint "
         "in the question, Environment.hint, or the start of the answer for the policy to continue, "

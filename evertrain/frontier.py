@@ -31,6 +31,8 @@ directly, never through curation, and carry none; sft and dpo imitate bare rollo
 prior: an unseen kind, or one that just changed level, predicts 0.5). A candidate predicted below
 ``skip_below`` is skipped (``dropped_uninformative``) unless a hash of (seed, iteration, problem) falls within
 ``explore``: those few keep the estimates honest, since a skipped kind would otherwise never be measured again.
+With ``weighted``, each remaining candidate is kept with probability its prediction over the best among its
+environment's candidates: kinds likelier to teach get more of the iteration, and every kind keeps a share.
 
 With the other mechanisms: the curriculum (:mod:`evertrain.curriculum`) chooses an environment's level, and the
 frontier works among that level's candidates; the curriculum's pass rate counts bare groups only, so a hint
@@ -158,6 +160,7 @@ def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], s
             bare = bare[bare["guidance"] == 0].head(cfg.window)
             selection.states[kind].bare_predicted = predicted(len(bare), int(bare["informative"].astype(bool).sum()))
     seed = rt.config.seed
+    best = max((selection.states[k].predicted_informative for k in set(kinds.values())), default=0.5)
     for problem in candidates:
         state = selection.states[kinds[problem.id]]
         # a guided kind's problems are asked bare now and then, once its hint works (what the hint taught is
@@ -170,6 +173,8 @@ def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], s
         chance = state.bare_predicted if probe else state.predicted_informative
         explored = chance < cfg.skip_below and _unit(seed, iteration, "explore", problem.id) < cfg.explore
         skip = not probe and chance < cfg.skip_below and not explored
+        if cfg.weighted and not probe and not skip and not explored:
+            skip = _unit(seed, iteration, "keep", problem.id) >= chance / best
         selection.plans[problem.id] = Plan(kind=state.kind, guidance=level, predicted=round(chance, 4), skip=skip,
                                            explored=explored, probe=probe)
     selection.seconds += time.perf_counter() - began

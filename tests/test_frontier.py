@@ -257,3 +257,20 @@ def _tokenizer(models_dir: Path):
 
     config = smoke_config_in(models_dir.parent / "frontier-tok", models_dir)
     return load_tokenizer(resolve_base(config.model))
+
+
+def test_weighted_selection_gives_kinds_likelier_to_teach_more_of_the_iteration(tmp_path, models_dir):
+    shares = {}
+    for weighted in (False, True):
+        rt = Runtime.open(_config(tmp_path / str(weighted), models_dir, guidance=False, explore=0.0,
+                                  weighted=weighted))
+        run_stage(rt, "curate", 0, STAGE_FUNCTIONS["curate"])
+        _plant(rt, 0, "- 2d", [1, 2, 3, 2])  # every group informative: predicted 5/6
+        _plant(rt, 0, NEG, [1, 2, 3, 2])
+        _plant(rt, 0, POS, [4, 4, 4, 1])  # one in four: predicted 2/6, above skip_below (0.2)
+        run_stage(rt, "curate", 1, STAGE_FUNCTIONS["curate"])
+        rows = _problems(rt, 1)
+        assert len(rows) == 24  # the oversampled candidates still fill the iteration
+        shares[weighted] = float((rows["kind"] == POS).mean())
+        rt.close()
+    assert 0 < shares[True] < 0.7 * shares[False], shares
