@@ -45,6 +45,7 @@ per-problem ``too_easy`` / ``too_hard`` rules of curation count bare attempts on
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -125,11 +126,11 @@ def decide(kind: str, env: str, history: pd.DataFrame, level: int, since: int, i
     else:
         reason = f"{n} groups {where}: pass rate {rate:.2f}, informative {share:.2f}"
         if action == "raise":
-            reason += f" <= {cfg.raise_below}: a hint (level {new})"
+            reason += f" <= {cfg.raise_below}: guidance level {new}"
         elif action == "withdraw":
             reason += f" >= {cfg.withdraw_above}: " + ("asked bare again" if new == 0 else f"down to level {new}")
         elif level >= max_level and rate <= cfg.raise_below and cfg.guidance and max_level:
-            reason += " (the strongest hint already)"
+            reason += " (the strongest guidance already)"
     if new != level:
         prediction = predicted(0, 0)
     else:
@@ -141,8 +142,6 @@ def decide(kind: str, env: str, history: pd.DataFrame, level: int, since: int, i
 
 def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], selection: Selection) -> None:
     """Decide every candidate's kind, guidance level, prediction and whether it is skipped, into ``selection``."""
-    import time
-
     began = time.perf_counter()
     cfg = rt.config.frontier
     kinds = {p.id: env.problem_kind(p) for p in candidates}
@@ -163,8 +162,8 @@ def plan(rt: Any, iteration: int, env: Environment, candidates: list[Problem], s
     best = max((selection.states[k].predicted_informative for k in set(kinds.values())), default=0.5)
     for problem in candidates:
         state = selection.states[kinds[problem.id]]
-        # a guided kind's problems are asked bare now and then, once its hint works (what the hint taught is
-        # measured where there is something to measure; a kind still failing with its hint gets no bare probe)
+        # a guided kind's problems are asked bare now and then, once its guidance works (what it taught is measured
+        # where there is something to measure; a kind still failing with guidance gets no bare probe)
         working = state.pass_rate is not None and state.pass_rate > cfg.raise_below
         probe = state.level > 0 and working and _unit(seed, "probe", problem.id) < cfg.bare_share
         level = 0 if probe else state.level
