@@ -133,7 +133,7 @@ def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
     plt.close(figure)
 
 
-def _sealed(rt: Runtime, iteration: int, champion: int, promoted: bool) -> dict[str, Any]:
+def _sealed(rt: Runtime, iteration: int, champion: int, promoted: bool = True) -> dict[str, Any]:
     """Measure the base model (once) and the champion on the sealed splits and the broad sealed set, after the
     decision (a broad set is measured even where the sealed splits are off): every new champion, or with
     ``eval.sealed_every`` = k > 1 the champion in effect at every k-th iteration, unless it was measured before."""
