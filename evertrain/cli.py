@@ -151,6 +151,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     # at once and left that server running without its parent)
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)  # a second Ctrl-C stops at once, as a second SIGTERM does
+    from evertrain import interrupts
+
+    # and recorded below Python's handlers too: a KeyboardInterrupt raised inside a finalizer is dropped by Python,
+    # so the stages also stop at their next boundary or progress step once a stop signal has come
+    interrupts.watch()
     from evertrain.flows.deploy import start_temporary_server
 
     # without PREFECT_API_URL: Prefect's temporary server, started here and tied to this process (it dies with
@@ -646,6 +651,9 @@ def _interrupt(signum: int, frame: Any) -> None:
         finally:
             os._exit(130)
     _SIGNALLED.append(signum)
+    from evertrain import interrupts
+
+    interrupts.record(signum)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -666,7 +674,9 @@ def _interrupted(error: BaseException) -> bool:
     on to the handler before it only when its own signal reaches it, never sees it (two fresh-clone CI runs, stops
     38 and 40: `evertrain run` exited 1). So a signal type anywhere in the chain counts, and so does any error
     after :func:`_interrupt` has run."""
-    if _SIGNALLED:
+    from evertrain import interrupts
+
+    if _SIGNALLED or interrupts.requested():
         return True
     signals = _signal_types()
     seen: set[int] = set()

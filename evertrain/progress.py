@@ -9,10 +9,34 @@ import sys
 from typing import Any
 
 
+class _Bar:
+    """A tqdm bar whose every step is also a place where a recorded stop signal stops the run
+    (:func:`evertrain.interrupts.check`): long stages stop within a step, not at their end."""
+
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+
+    def update(self, n: float = 1) -> Any:
+        from evertrain import interrupts
+
+        interrupts.check()
+        return self._bar.update(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bar, name)
+
+    def __enter__(self) -> _Bar:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> Any:
+        return self._bar.__exit__(*exc)
+
+
 def progress(total: int, desc: str, unit: str = "it") -> Any:
     """A progress bar on stderr (off when EVERTRAIN_PROGRESS=0)."""
     from tqdm.auto import tqdm
 
     disable = os.environ.get("EVERTRAIN_PROGRESS", "1") == "0"
-    return tqdm(total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr, leave=False,
-                dynamic_ncols=True)
+    return _Bar(tqdm(total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr, leave=False,
+                     dynamic_ncols=True))

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect import flow, tags
 
+from evertrain import interrupts
 from evertrain.config import CampaignConfig
 from evertrain.drift import campaign_run_name
 from evertrain.runtime import Runtime
@@ -50,6 +51,7 @@ def iteration_flow(rt: Runtime, iteration: int) -> dict[str, Any]:
     done = rt.store.stage_status(rt.campaign, iteration)
     metrics: dict[str, Any] = {}
     for stage in STAGES:
+        interrupts.check()  # a stop signal whose KeyboardInterrupt was swallowed (evertrain.interrupts)
         if (stage == "update" and config.sft.runs_in(iteration) and done.get("sft") != "completed"
                 and done.get("update") != "completed"):
             from evertrain.tasks.sft import sft_task  # the optional stage between score and update
@@ -122,6 +124,7 @@ def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
     rt.inference.check(rt.base_model)
     finished: list[int] = []
     while iterations is None or len(finished) < iterations:
+        interrupts.check()
         iteration = next_iteration(rt)
         # the subflow's parameters hold the context, not the config: the tag names its campaign (the Prefect UI's
         # filter, and how `evertrain approve` finds a paused promotion of the campaign)

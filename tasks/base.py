@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from evertrain import faults
+from evertrain import faults, interrupts
 from evertrain.data.lineage import diversity_metrics, sample_rollouts
 from evertrain.data.store import now
 from evertrain.inference.base import sync_seconds
@@ -35,6 +35,7 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
     """Run one stage for ``iteration``: record it in ``stage_runs`` and log its metrics to MLflow."""
     if stage not in STAGES and stage not in OPTIONAL_STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES + OPTIONAL_STAGES)}")
+    interrupts.check()  # a stop signal whose KeyboardInterrupt was swallowed stops the run here
     rt.ensure_started()
     rt.store.replace("campaigns", {"campaign": rt.campaign}, [{
         "campaign": rt.campaign, "config": rt.config.model_dump_json(), "updated_at": now()}])
