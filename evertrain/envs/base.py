@@ -183,6 +183,16 @@ class Environment(ABC):
             chat = [*chat, {"role": "assistant", "content": guidance["prefix"]}]
         return chat
 
+    # multi-turn environments whose other side is not a tool but the environment itself (a game, a simulated
+    # user: a verifiers package's own environment): after each policy turn it says something (:meth:`reply`), and
+    # the policy answers, until it has nothing more to say or ``max_turns`` policy turns were taken
+    conversational: ClassVar[bool] = False
+
+    def reply(self, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
+        """What a conversational environment says after the policy's last turn in ``turns`` (the episode's turns
+        after the prompt, in order); None: the episode is over. Must never raise on what the turns contain."""
+        return None
+
     # guidance (evertrain.frontier): how many hint levels this environment can state, the strongest last
     hint_levels: ClassVar[int] = 0
 

@@ -140,6 +140,8 @@ class ValidationReport:
     sample: list[Problem] = field(default_factory=list)  # the problems checked (the quality check reuses them)
     checked: int = 0
     failures: list[str] = field(default_factory=list)
+    # known-bad probes the environment's config accepts by name (``accept``): paid, reported, not refused
+    accepted: list[str] = field(default_factory=list)
     sandbox_runs: list[dict[str, Any]] = field(default_factory=list)  # audit rows of sandboxed verifications
     cases: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
@@ -159,7 +161,8 @@ class ValidationReport:
     def as_dict(self, cases: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {"env": self.env, "ok": self.ok, "status": "ok" if self.ok else "failed",
                                "checked": self.checked, "cases": len(self.cases), "by_label": self.by_label(),
-                               "failures": self.failures, "seconds": round(self.seconds, 2),
+                               "failures": self.failures, "accepted": self.accepted,
+                               "seconds": round(self.seconds, 2),
                                "selftest_version": SELFTEST_VERSION}
         if cases:
             out["case_results"] = [case.as_dict() for case in self.cases]
@@ -288,8 +291,9 @@ def validate(env: Environment, problems: int = 2, seed: int = 0, workers: int = 
             on_case(result)
         if not result.ok:
             what = "the known-good reference" if expect else f"a known-bad ({label}) completion"
-            report.failures.append(f"{problem.id}: {what} earned {result.reward} ({result.reason}): "
-                                   f"{completion[:60]!r}")
+            line = f"{problem.id}: {what} earned {result.reward} ({result.reason}): {completion[:60]!r}"
+            accepted = getattr(env, "accepted_probes", frozenset())
+            (report.accepted if not expect and label in accepted else report.failures).append(line)
         if label == "good":
             first_good[(problem.id, completion)] = result
         elif label == "good_again":

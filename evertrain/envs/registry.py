@@ -26,6 +26,7 @@ class UnknownEnvironment(ValueError):
 
 
 RG_PREFIX = "rg:"  # rg:<generator> is any reasoning-gym generator
+VF_PREFIX = "verifiers:"  # verifiers:<taskset id> is a verifiers (0.4) taskset, installed or on its `path` option
 
 
 def rg_generators() -> list[str]:
@@ -44,13 +45,19 @@ def names(include_rg: bool = False) -> list[str]:
 
 
 def check_name(name: str) -> None:
-    """Raise UnknownEnvironment with the known names when ``name`` is not registered."""
+    """Raise UnknownEnvironment with the known names when ``name`` is not registered (a verifiers taskset's name
+    is checked when it loads: its package may live on the environment's ``path`` option)."""
+    if name.startswith(VF_PREFIX):
+        if not name[len(VF_PREFIX):].strip():
+            raise UnknownEnvironment(f"{name!r}: name the taskset, e.g. verifiers:vf-sums")
+        return
     if name.startswith(RG_PREFIX):
         if name[len(RG_PREFIX):] not in rg_generators():
             raise UnknownEnvironment(f"unknown reasoning-gym generator {name!r}; `evertrain envs` lists them")
         return
     if name not in BUILTIN:
-        raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(names())}, rg:<generator>")
+        raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(names())}, rg:<generator>, "
+                                 f"verifiers:<taskset>")
 
 
 def get(name: str, **options: Any) -> Environment:
@@ -60,5 +67,9 @@ def get(name: str, **options: Any) -> Environment:
         from evertrain.envs.reasoning_gym import ReasoningGym
 
         return ReasoningGym(name[len(RG_PREFIX):], **options)
+    if name.startswith(VF_PREFIX):
+        from evertrain.envs.verifiers_env import VerifiersEnvironment
+
+        return VerifiersEnvironment(name[len(VF_PREFIX):], **options)
     module, _, cls = BUILTIN[name].partition(":")
     return getattr(importlib.import_module(module), cls)(**options)

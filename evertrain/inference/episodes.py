@@ -83,9 +83,10 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
     ``seeds`` (one per problem) seed each group on its own (see ``sample``), later turns included, so a
     group's episodes do not depend on the batch it was sampled in.
     """
-    agentic = bool(env.tools) and env.max_turns > 1
+    conversational = env.conversational and env.max_turns > 1
+    agentic = conversational or (bool(env.tools) and env.max_turns > 1)
     stops: tuple[str, ...] = ()
-    if agentic:
+    if agentic and not conversational:
         stops = tuple(stop_strings(env.tools))
     tokenizer = sampler.tokenizer
     groups, stats = sampler.sample(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -99,14 +100,26 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
     chats = [env.guided_messages(p) for p in problems]  # the prompt as curated: with its hint, if any
     history: dict[tuple[int, int], list[dict[str, str]]] = {}
     for turn in range(1, env.max_turns):
-        pending = []
-        for g, group in enumerate(episodes):
-            for i, episode in enumerate(group):
-                if episode.finish_reason == "length" or sum(t["role"] == "assistant" for t in episode.turns) != turn:
-                    continue
-                call = parse_tool_call(episode.text, env.tools)
-                if call is not None:
-                    pending.append((g, i, call))
+        live = [(g, i) for g, group in enumerate(episodes) for i, episode in enumerate(group)
+                if episode.finish_reason != "length" and sum(t["role"] == "assistant" for t in episode.turns) == turn]
+        if conversational:  # the environment itself answers each turn
+            with ThreadPoolExecutor(max_workers=tool_workers) as pool:
+                said = list(pool.map(lambda item: env.reply(problems[item[0]], episodes[item[0]][item[1]].turns),
+                                     live))
+            spoken = [(g, i, text) for (g, i), text in zip(live, said, strict=True) if text is not None]
+            if not spoken:
+                break
+            contexts, owners = _environment_turns(tokenizer, episodes, chats, history, spoken, prompts, eos_text)
+            more, more_stats = sampler.sample(contexts, 1, max_new_tokens=max_new_tokens, temperature=temperature,
+                                              top_p=top_p, greedy=greedy, batch_size=batch_size, seed=seed + turn,
+                                              seeds=None if seeds is None else
+                                              [turn_seed(seeds[g], turn, i) for g, i in owners])
+            stats.merge(more_stats)
+            for (g, i), continuation in zip(owners, more, strict=True):
+                episodes[g][i].add_policy_turn(continuation[0])
+            continue
+        pending = [(g, i, call) for g, i in live
+                   if (call := parse_tool_call(episodes[g][i].text, env.tools)) is not None]
         if not pending:
             break
 
@@ -152,3 +165,26 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
             for episode in group:
                 episode.text = env.episode_text(episode.turns)
     return episodes, stats
+
+
+def _environment_turns(tokenizer: Any, episodes: list[list[Episode]], chats: list[list[dict[str, str]]],
+                       history: dict[tuple[int, int], list[dict[str, str]]], spoken: list[tuple[int, int, str]],
+                       prompts: list[list[int]], eos_text: str) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Append what a conversational environment said to each episode as a ``user`` turn (context, never trained
+    on: its tokens are masked like tool output); returns the contexts to continue and whose they are."""
+    contexts, owners = [], []
+    for g, i, text in spoken:
+        episode = episodes[g][i]
+        message = {"role": "user", "content": text}
+        chat = history.setdefault((g, i), list(chats[g]))
+        chat.append({"role": "assistant", "content": episode.turns[-1]["content"]})
+        ids = tool_message_ids(tokenizer, chat, message, eos_text if episode.finish_reason == "stop" else "")
+        chat.append(message)
+        start = len(episode.completion_ids)
+        episode.completion_ids += ids
+        episode.logprobs += [0.0] * len(ids)
+        episode.loss_mask += [0] * len(ids)
+        episode.turns.append({"role": "user", "content": text, "tokens": [start, len(episode.completion_ids)]})
+        contexts.append(prompts[g] + episode.completion_ids)
+        owners.append((g, i))
+    return contexts, owners
