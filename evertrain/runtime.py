@@ -9,6 +9,7 @@ connection by accident and a closed campaign leaves no file open behind it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -122,6 +123,9 @@ class Runtime:
         try:
             self.inference.close()
         finally:
+            for env in self.envs.values():  # what the environments started: rubric workers, environment servers
+                with contextlib.suppress(Exception):
+                    env.close()
             self._graders = None
             if self._owns_store:
                 self.store.close()

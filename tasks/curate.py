@@ -75,6 +75,7 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
         if not env.templated:  # the environment's own instructions repeat in every prompt: not a leak
             mine.drop_boilerplate([p.prompt for p in env.problems("train", 200, config.seed)])
         index.grams |= mine.grams
+        env.close()  # what it started for this (an environment server) is not kept
     return frozenset(ids), index
 
 

@@ -200,7 +200,8 @@ def preloaded():
 # reorders the files by their number of tests, which put the long one-test files (servers, deployments) last.
 LONGEST_FIRST = ("test_vllm.py", "test_run_signal.py", "test_deployments.py", "test_servers.py", "test_ray.py",
                  "test_reasoning_gym.py", "test_many_envs.py", "test_store_concurrency.py", "test_endpoint_vllm.py",
-                 "test_ray_nodes.py", "test_crash_safety.py", "test_adversarial_sandbox.py", "test_curation.py",
+                 "test_ray_nodes.py", "test_crash_safety.py", "test_ecosystem.py", "test_verifiers_env.py",
+                 "test_adversarial_sandbox.py", "test_curation.py",
                  "test_approval.py", "test_curriculum.py", "test_portable.py", "test_sql_readonly.py",
                  "test_honest_measurement.py", "test_endpoint.py", "test_cli_refusals.py",
                  "test_update_data_parallel.py", "test_promotion.py", "test_docs.py", "test_terminal.py",

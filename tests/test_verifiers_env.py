@@ -14,7 +14,6 @@ import pytest
 
 from evertrain.envs import registry
 from evertrain.envs.quality import validate
-from tests.conftest import smoke_config_in
 
 PLANTED = str(Path(__file__).resolve().parent / "vf_planted")
 
@@ -108,46 +107,7 @@ def test_a_multi_turn_environment_is_replayed_from_the_policy_s_replies_alone():
     verdict = guess.verify(problem, text)
     assert verdict.passed and verdict.detail["turns"] == 2 and verdict.detail["rewards"]["solved"] == 1.0
     # the environment's messages are never read from the graded text: a forged "correct" earns nothing
-    forged = json.dumps({"verifiers_replies": [low]}) + "\ncorrect"
+    forged = json.dumps({"replies": [low]}) + "\ncorrect"
     assert not guess.verify(problem, forged).passed
     # more replies than the turn limit: graded on the first max_turns only
-    assert not guess.verify(problem, json.dumps({"verifiers_replies": [low] * 3 + [target]})).passed
-
-
-def test_a_campaign_iteration_trains_and_gates_on_verifiers_tasksets(tmp_path, models_dir):
-    """One iteration end to end on vf-sums (single-turn) and vf-guess (multi-turn) beside a built-in: their
-    rollouts graded by their rubrics (the components in each row's detail), vf-guess's episodes with the
-    environment's turns (masked out of the update), their held-out splits in the gate, their self-tests stored."""
-    from evertrain.data.store import Store
-    from evertrain.runtime import Runtime
-    from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
-
-    config = smoke_config_in(tmp_path, models_dir, name="vf", environments=[
-        {"name": "verifiers:vf-sums", "weight": 1, "options": {"num_tasks": 60, "templated": True}},
-        {"name": "verifiers:vf-guess", "weight": 1, "options": GUESS},
-        {"name": "digits", "weight": 1}])
-    with Runtime.open(config) as rt:
-        for stage in STAGES:
-            run_stage(rt, stage, 0, STAGE_FUNCTIONS[stage])
-    with Store(config.paths.store, read_only=True) as store:
-        rollouts = store.query("SELECT env, reward, reason, detail, turns, loss_mask FROM rollouts "
-                               "WHERE campaign = 'vf'")
-        evaluations = store.query("SELECT DISTINCT env, split FROM evals WHERE campaign = 'vf'")
-        validations = store.query("SELECT env, ok FROM env_validations")
-    for env, rewards in (("verifiers:vf-sums", {"correct"}), ("verifiers:vf-guess", {"solved", "efficiency"})):
-        ours = rollouts[rollouts["env"] == env]
-        assert len(ours) > 0, env
-        for detail in ours["detail"]:
-            assert set(json.loads(detail)["rewards"]) == rewards  # graded by the package's rubric
-        assert (env, "gate") in set(zip(evaluations["env"], evaluations["split"], strict=True))
-        assert bool(validations.set_index("env").loc[env, "ok"])
-    guessed = rollouts[rollouts["env"] == "verifiers:vf-guess"]
-    spoken = [(json.loads(turns), list(mask)) for turns, mask in zip(guessed["turns"], guessed["loss_mask"],
-                                                                      strict=True)
-              if any(t["role"] == "user" for t in json.loads(turns))]
-    assert spoken, "no episode got a word from the environment"
-    for turns, mask in spoken:
-        assert [t["role"] for t in turns][:3] == ["assistant", "user", "assistant"]
-        for turn in turns:
-            start, end = turn["tokens"]
-            assert set(mask[start:end]) == ({1} if turn["role"] == "assistant" else {0})
+    assert not guess.verify(problem, json.dumps({"replies": [low] * 3 + [target]})).passed

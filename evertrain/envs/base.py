@@ -105,6 +105,30 @@ def earlier_calls(turns: Sequence[Mapping[str, Any]], tool: str) -> list[str]:
     return [t["input"] for t in turns if t["role"] == "tool" and t["name"] == tool]
 
 
+REPLIES = "replies"  # the key of a conversational episode's graded text: the policy's replies, in order
+
+
+def replies_text(turns: Sequence[Mapping[str, Any]]) -> str:
+    """The graded text of a conversational episode: the policy's own replies, in order, as JSON. Nothing the
+    environment said is in it: grading replays the environment with these replies, so no text of a rollout can
+    stand in for what the environment said."""
+    return json.dumps({REPLIES: [str(t.get("content", "")) for t in turns if t.get("role") == "assistant"]},
+                      ensure_ascii=False)
+
+
+def replies_of(completion: str) -> list[str]:
+    """The policy's replies in :func:`replies_text`'s text; any other text is one reply."""
+    if completion.startswith("{"):
+        try:
+            data = json.loads(completion)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and set(data) == {REPLIES} and isinstance(data[REPLIES], list) and \
+                all(isinstance(r, str) for r in data[REPLIES]):
+            return list(data[REPLIES])
+    return [completion]
+
+
 class Environment(ABC):
     """A domain of verifiable problems. Subclasses set the class attributes and implement three methods.
 
@@ -191,6 +215,11 @@ class Environment(ABC):
     def reply(self, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
         """What a conversational environment says after the policy's last turn in ``turns`` (the episode's turns
         after the prompt, in order); None: the episode is over. Must never raise on what the turns contain."""
+        return None
+
+    def close(self) -> None:
+        """Stop what this environment started (a worker, a server); the campaign's context calls it as it closes.
+        A later use starts it again. Default: nothing started, nothing to stop."""
         return None
 
     # guidance (evertrain.frontier): how many hint levels this environment can state, the strongest last

@@ -27,6 +27,7 @@ class UnknownEnvironment(ValueError):
 
 RG_PREFIX = "rg:"  # rg:<generator> is any reasoning-gym generator
 VF_PREFIX = "verifiers:"  # verifiers:<taskset id> is a verifiers (0.4) taskset, installed or on its `path` option
+OPENENV_PREFIX = "openenv:"  # openenv:<name> is an OpenEnv environment server (its `app` or `url` option)
 
 
 def rg_generators() -> list[str]:
@@ -51,13 +52,17 @@ def check_name(name: str) -> None:
         if not name[len(VF_PREFIX):].strip():
             raise UnknownEnvironment(f"{name!r}: name the taskset, e.g. verifiers:vf-sums")
         return
+    if name.startswith(OPENENV_PREFIX):
+        if not name[len(OPENENV_PREFIX):].strip():
+            raise UnknownEnvironment(f"{name!r}: name the environment, e.g. openenv:count")
+        return
     if name.startswith(RG_PREFIX):
         if name[len(RG_PREFIX):] not in rg_generators():
             raise UnknownEnvironment(f"unknown reasoning-gym generator {name!r}; `evertrain envs` lists them")
         return
     if name not in BUILTIN:
         raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(names())}, rg:<generator>, "
-                                 f"verifiers:<taskset>")
+                                 f"verifiers:<taskset>, openenv:<name>")
 
 
 def get(name: str, **options: Any) -> Environment:
@@ -71,5 +76,9 @@ def get(name: str, **options: Any) -> Environment:
         from evertrain.envs.verifiers_env import VerifiersEnvironment
 
         return VerifiersEnvironment(name[len(VF_PREFIX):], **options)
+    if name.startswith(OPENENV_PREFIX):
+        from evertrain.envs.openenv_env import OpenEnvEnvironment
+
+        return OpenEnvEnvironment(name[len(OPENENV_PREFIX):], **options)
     module, _, cls = BUILTIN[name].partition(":")
     return getattr(importlib.import_module(module), cls)(**options)

@@ -38,20 +38,19 @@ import threading
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
-from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict
+from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
 
 PREFIX = "verifiers:"
 OWN_OPTIONS = ("path", "eval_share", "reward", "answer_field", "answer_format", "accept", "templated", "timeout_s",
                "memory_mb", "max_turns")
 FORMATS = ("boxed", "hashes", "plain")
-REPLIES = "verifiers_replies"  # the key of a multi-turn episode's graded text: the policy's replies, in order
-_WORKERS: dict[tuple[str, str, str | None], Any] = {}
+_WORKERS: dict[tuple[str, str, str | None], tuple[Any, set[int]]] = {}  # the worker and who uses it
 _WORKERS_LOCK = threading.Lock()
 
 
 @atexit.register
 def _close_workers() -> None:
-    for worker in list(_WORKERS.values()):
+    for worker, _ in list(_WORKERS.values()):
         worker.close()
 
 
@@ -104,18 +103,31 @@ class VerifiersEnvironment(FixedSplits, Environment):
 
     @property
     def worker(self) -> Any:
-        """The rubric worker of this taskset and config, one per process (environments built twice share it)."""
+        """The rubric worker of this taskset and config, one per process: environments built twice share it, and
+        it stops when the last of them closes."""
         from evertrain.sandbox.verifiers_worker import RubricWorker
 
         key = (self.taskset, json.dumps(self.knobs, sort_keys=True), self.path)
         with _WORKERS_LOCK:
             if key not in _WORKERS:
-                _WORKERS[key] = RubricWorker(self.taskset, self.knobs, self.path)
-            return _WORKERS[key]
+                _WORKERS[key] = (RubricWorker(self.taskset, self.knobs, self.path), set())
+            worker, users = _WORKERS[key]
+            users.add(id(self))
+            return worker
 
     def close(self) -> None:
-        """Stop the rubric worker (a later grade starts it again)."""
-        self.worker.close()
+        """Stop the rubric worker once no other environment of this taskset and config uses it (a later grade
+        starts it again)."""
+        key = (self.taskset, json.dumps(self.knobs, sort_keys=True), self.path)
+        with _WORKERS_LOCK:
+            if key not in _WORKERS:
+                return
+            worker, users = _WORKERS[key]
+            users.discard(id(self))
+            if users:
+                return
+            del _WORKERS[key]
+        worker.close()
 
     @cached_property
     def _listing(self) -> dict[str, Any]:
@@ -173,10 +185,10 @@ class VerifiersEnvironment(FixedSplits, Environment):
     def episode_text(self, turns: list[dict[str, Any]]) -> str:
         """The graded text of an episode: the policy's replies alone (multi-turn: as JSON, the environment's own
         messages are made again by the environment when it is graded, never read from the rollout)."""
-        replies = [str(t.get("content", "")) for t in turns if t.get("role") == "assistant"]
         if not self.multi_turn:
+            replies = [str(t.get("content", "")) for t in turns if t.get("role") == "assistant"]
             return replies[-1] if replies else ""
-        return json.dumps({REPLIES: replies}, ensure_ascii=False)
+        return replies_text(turns)
 
     def _request(self, problem: Problem, request: dict[str, Any]) -> dict[str, Any]:
         key = problem.payload.get("key")
@@ -187,7 +199,7 @@ class VerifiersEnvironment(FixedSplits, Environment):
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
         if self.multi_turn:  # the episode replayed from the policy's replies, then its transcript scored
-            replies = _replies(completion)[:self.max_turns]
+            replies = replies_of(completion)[:self.max_turns]
             reply = self._request(problem, {"op": "episode", "opening": problem.payload.get("messages", []),
                                             "replies": replies, "score": True})
         else:
@@ -233,20 +245,6 @@ class VerifiersEnvironment(FixedSplits, Environment):
         if own is None:
             raise ValueError(f"{self.name}: no task of the taskset has this prompt")
         return own
-
-
-def _replies(completion: str) -> list[str]:
-    """The policy's replies in a multi-turn episode's graded text (:meth:`VerifiersEnvironment.episode_text`); any
-    other text is one reply."""
-    if completion.startswith("{"):
-        try:
-            data = json.loads(completion)
-        except ValueError:
-            data = None
-        if isinstance(data, dict) and set(data) == {REPLIES} and isinstance(data[REPLIES], list) and \
-                all(isinstance(r, str) for r in data[REPLIES]):
-            return list(data[REPLIES])
-    return [completion]
 
 
 def _initial_messages(data: dict[str, Any]) -> list[dict[str, str]]:

@@ -1,0 +1,327 @@
+"""``openenv:<name>``: an OpenEnv environment (Meta and Hugging Face's ``openenv-core``, 0.3.0: Gymnasium-style
+``reset``/``step`` over a server) as an evertrain environment, one episode per rollout.
+
+- **The server**: ``app = "package.module:app"`` (the ASGI app the package builds with ``create_app``) is started
+  by this environment as a real uvicorn process on a free local port when first needed, in a session of its
+  own and tied to the run's life (it dies with it, SIGKILL included), and stopped when the campaign's context
+  closes; ``url = "http://host:port"`` points at a server someone else runs instead.
+- **The protocol**: OpenEnv keeps an episode only over its WebSocket (``/ws``: one connection, one session, one
+  environment instance; its HTTP ``/reset`` and ``/step`` build a fresh environment per request and keep no
+  episode). So every exchange is one connection: ``reset`` with the problem's seed, then one ``step`` per policy
+  reply, then ``close``. The client speaks that protocol with ``websockets`` alone (importing ``openenv.core``
+  takes about 5 s: it imports gradio).
+- **Problems**: a problem is a seed. Train problems are seeds 0 to ``train_seeds`` - 1, held-out ones
+  ``EVAL_SEED_BASE`` and up (``eval_seeds`` of them); the prompt is the first observation's ``observation_field``.
+  A train seed whose first observation is a held-out one's is dropped: no held-out prompt is trained on.
+- **Actions**: the policy writes text; ``action_field`` names the action's field and ``action_type`` how the text
+  becomes its value: ``text`` (the reply as it is) or ``int`` (the reply's last whole number; a reply without
+  one ends the episode, reward 0, ``invalid_action``).
+- **Episodes**: after each policy turn the environment's next observation is the next user turn, until the
+  server says ``done`` or ``max_turns`` turns were taken. Each is replayed from the seed and the policy's replies
+  (the environment is deterministic in its seed, which OpenEnv's ``reset(seed=...)`` is for): nothing is kept
+  between calls, and grading replays the same way, so no text of a rollout stands in for an observation.
+- **Reward**: the episode's return (the sum of the steps' rewards). ``reward = "strict"``: 1 when the episode ended
+  ``done`` with a return of at least ``success_reward`` (1.0), else 0; ``"score"``: the return over
+  ``success_reward``, in [0, 1]. Every step (action, observation, reward, done) is kept in the verdict's detail
+  (the rollout's ``detail`` column).
+- **The self-test**: with ``oracle_field`` (a field of the server's ``state`` holding the action the environment
+  expects next), the reference episode plays it step by step and must earn 1; every episode of the generic
+  battery (one wrong, empty or hedged reply) must earn 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from functools import cached_property
+from typing import Any, ClassVar, Literal
+
+from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
+
+EVAL_SEED_BASE = 1_000_000
+INTEGER = re.compile(r"-?[0-9]+")
+START_TIMEOUT_S = 90.0
+
+
+class OpenEnvError(RuntimeError):
+    """The environment's server could not be started or reached, or broke its protocol (the message says how)."""
+
+
+class _Invalid(Exception):
+    """A reply that is no action of this environment."""
+
+
+class OpenEnvEnvironment(FixedSplits, Environment):
+    """An OpenEnv environment (see the module's docstring)."""
+
+    name: ClassVar[str] = "openenv"  # each instance: openenv:<name>
+    kind: ClassVar[str] = "reasoning"
+    source: ClassVar[str] = "an OpenEnv environment server (reset/step over its WebSocket)"
+    templated: ClassVar[bool] = True  # prompts come from a generator: seeds keep the splits apart
+
+    def __init__(self, server: str, *, app: str | None = None, url: str | None = None, train_seeds: int = 500,
+                 eval_seeds: int = 100, observation_field: str = "message", action_field: str = "message",
+                 action_type: Literal["text", "int"] = "text", max_turns: int = 6,
+                 reward: Literal["strict", "score"] = "strict", success_reward: float = 1.0,
+                 oracle_field: str | None = None, system_prompt: str = "", timeout_s: float = 30.0) -> None:
+        where = f"openenv:{server}"
+        if (app is None) == (url is None):
+            raise ValueError(f"{where}: give exactly one of app (a module:attribute the adapter serves) and url")
+        if action_type not in ("text", "int"):
+            raise ValueError(f"{where}: action_type must be 'text' or 'int', got {action_type!r}")
+        if reward not in ("strict", "score"):
+            raise ValueError(f"{where}: reward must be 'strict' or 'score', got {reward!r}")
+        for option, value in (("train_seeds", train_seeds), ("eval_seeds", eval_seeds), ("max_turns", max_turns)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {option} must be a whole number of at least 1, got {value!r}")
+        if train_seeds > EVAL_SEED_BASE:
+            raise ValueError(f"{where}: train_seeds must be at most {EVAL_SEED_BASE} (held-out seeds start there)")
+        self.name = where  # type: ignore[misc]
+        self.app, self._url = app, url.rstrip("/") if url else None
+        self.train_seeds, self.eval_seeds = train_seeds, eval_seeds
+        self.observation_field, self.action_field, self.action_type = observation_field, action_field, action_type
+        self.turn_limit, self.reward_mode, self.success_reward = max_turns, reward, float(success_reward)
+        self.oracle_field, self.timeout_s = oracle_field, float(timeout_s)
+        self.system_prompt = system_prompt  # type: ignore[misc]
+        self._server: subprocess.Popen[bytes] | None = None
+        self._server_lock = threading.Lock()
+        self._log: str | None = None
+
+    conversational: ClassVar[bool] = True
+
+    @property  # type: ignore[override]
+    def max_turns(self) -> int:
+        return self.turn_limit
+
+    # --- the server
+
+    @property
+    def url(self) -> str:
+        """The server's address (the one this environment started, started now if it is not running)."""
+        if self._url is not None:
+            return self._url
+        with self._server_lock:
+            if self._server is None or self._server.poll() is not None:
+                self._server = self._start()
+            return self._address
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        from evertrain.processes import tied_to
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self._address = f"http://127.0.0.1:{port}"
+        parent = os.getpid()
+        with tempfile.NamedTemporaryFile(prefix="evertrain-openenv-", suffix=".log", delete=False) as log:
+            self._log = log.name
+            server = subprocess.Popen([sys.executable, "-m", "uvicorn", str(self.app), "--host", "127.0.0.1",
+                                       "--port", str(port), "--log-level", "warning"], stdin=subprocess.DEVNULL,
+                                      stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: tied_to(parent))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise OpenEnvError(f"{self.name}: the server ({self.app}) exited with status {server.returncode}: "
+                                   f"{self._log_tail()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                if self._healthy():
+                    return server
+            time.sleep(0.2)
+        self._stop(server)
+        raise OpenEnvError(f"{self.name}: the server ({self.app}) did not answer within {START_TIMEOUT_S:g} s: "
+                           f"{self._log_tail()}")
+
+    def _healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self._address}/health", timeout=2) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def _log_tail(self) -> str:
+        if not self._log:
+            return ""
+        with contextlib.suppress(OSError), open(self._log, errors="replace") as log:
+            return log.read()[-1500:].strip()
+        return ""
+
+    @staticmethod
+    def _stop(server: subprocess.Popen[bytes]) -> None:
+        from evertrain import processes
+
+        processes.stop([server], first=15, timeout=10)
+
+    def close(self) -> None:
+        with self._server_lock:
+            if self._server is not None:
+                self._stop(self._server)
+                self._server = None
+            if self._log:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._log)
+                self._log = None
+
+    # --- the protocol: one WebSocket session per exchange
+
+    def _session(self) -> Any:
+        from websockets.sync.client import connect
+
+        address = self.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/ws"
+        return connect(address, open_timeout=self.timeout_s, close_timeout=2, max_size=16 * 1024 * 1024)
+
+    def _ask(self, ws: Any, message: dict[str, Any]) -> dict[str, Any]:
+        ws.send(json.dumps(message))
+        answer = json.loads(ws.recv(timeout=self.timeout_s))
+        if not isinstance(answer, dict) or answer.get("type") == "error":
+            data = answer.get("data", {}) if isinstance(answer, dict) else {}
+            raise OpenEnvError(f"{self.name}: the server refused {message.get('type')}: "
+                               f"{data.get('message', answer)} ({data.get('code', '?')})")
+        return answer.get("data", {})
+
+    def _observation_text(self, data: dict[str, Any]) -> str:
+        observation = data.get("observation", {})
+        value = observation.get(self.observation_field) if isinstance(observation, dict) else None
+        if not isinstance(value, str):
+            raise OpenEnvError(f"{self.name}: the observation has no text field {self.observation_field!r} "
+                               f"(fields: {sorted(observation) if isinstance(observation, dict) else observation})")
+        return value
+
+    def _action(self, reply: str) -> dict[str, Any]:
+        if self.action_type == "text":
+            return {self.action_field: reply}
+        numbers = INTEGER.findall(reply)
+        if not numbers:
+            raise _Invalid("the reply holds no whole number")
+        return {self.action_field: int(numbers[-1])}
+
+    def _play(self, seed: int, replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
+        """Reset with ``seed`` and step once per reply (stopping at ``done``): (the first observation, the steps,
+        whether a reply was no action)."""
+        steps: list[dict[str, Any]] = []
+        with self._session() as ws:
+            first = self._observation_text(self._ask(ws, {"type": "reset", "data": {"seed": seed}}))
+            invalid = False
+            for reply in replies:
+                try:
+                    action = self._action(reply)
+                except _Invalid:
+                    invalid = True
+                    break
+                data = self._ask(ws, {"type": "step", "data": action})
+                steps.append({"action": action[self.action_field], "observation": self._observation_text(data),
+                              "reward": float(data.get("reward") or 0.0), "done": bool(data.get("done"))})
+                if steps[-1]["done"]:
+                    break
+            with contextlib.suppress(Exception):
+                ws.send(json.dumps({"type": "close"}))
+        return first, steps, invalid
+
+    # --- problems
+
+    @cached_property
+    def _splits(self) -> dict[str, list[Problem]]:
+        splits: dict[str, list[Problem]] = {"train": [], "eval": []}
+        plan: list[tuple[Split, range]] = [("eval", range(EVAL_SEED_BASE, EVAL_SEED_BASE + self.eval_seeds)),
+                                           ("train", range(self.train_seeds))]
+        with self._session() as ws:
+            for split, seeds in plan:
+                for seed in seeds:
+                    prompt = self._observation_text(self._ask(ws, {"type": "reset", "data": {"seed": seed}}))
+                    payload: dict[str, Any] = {"seed": seed}
+                    if self.oracle_field:
+                        state = self._ask(ws, {"type": "state"})
+                        if self.oracle_field not in state:
+                            raise OpenEnvError(f"{self.name}: the server's state has no {self.oracle_field!r} "
+                                               f"(oracle_field); fields: {sorted(state)}")
+                        payload["answer"] = str(state[self.oracle_field])
+                    problem = Problem.make(self.name, prompt, payload)
+                    splits[split].append(Problem(self.name, problem.id, prompt, payload, split))
+            with contextlib.suppress(Exception):
+                ws.send(json.dumps({"type": "close"}))
+        held_out = {p.prompt for p in splits["eval"]}
+        splits["train"] = [p for p in splits["train"] if p.prompt not in held_out]
+        if not splits["train"]:
+            raise ValueError(f"{self.name}: every train seed's first observation is a held-out one's")
+        return splits
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        chat = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*chat, {"role": "user", "content": problem.prompt}]
+
+    # --- episodes and grades
+
+    def reply(self, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
+        replies = [str(t.get("content", "")) for t in turns if t.get("role") == "assistant"]
+        if len(replies) >= self.max_turns:
+            return None
+        try:
+            _, steps, invalid = self._play(int(problem.payload["seed"]), replies)
+        except Exception:  # the server failed: the episode ends here, and its grade says why
+            return None
+        if invalid or not steps or steps[-1]["done"] or len(steps) < len(replies):
+            return None
+        return steps[-1]["observation"]
+
+    def episode_text(self, turns: list[dict[str, Any]]) -> str:
+        return replies_text(turns)
+
+    def verify(self, problem: Problem, completion: str) -> Verdict:
+        seed = problem.payload.get("seed")
+        if not isinstance(seed, int):
+            return Verdict.fail("grader_error", error="the problem names no seed")
+        replies = replies_of(completion)[:self.max_turns]
+        try:
+            _, steps, invalid = self._play(seed, replies)
+        except Exception as error:  # the server failed: this rollout's grader error
+            return Verdict.fail("grader_error", error=f"{type(error).__name__}: {error}"[:500])
+        total = sum(step["reward"] for step in steps)
+        done = bool(steps) and steps[-1]["done"]
+        passed = done and not invalid and total >= self.success_reward
+        if self.reward_mode == "strict":
+            value = 1.0 if passed else 0.0
+        else:
+            value = min(1.0, max(0.0, total / self.success_reward)) if self.success_reward > 0 else 0.0
+        detail = {"steps": steps, "return": total, "done": done, "replies": len(replies)}
+        reason = "correct" if passed else "invalid_action" if invalid else "wrong" if done else "incomplete"
+        return Verdict(reward=value, passed=passed, reason=reason, detail=detail)
+
+    def reference(self, problem: Problem) -> str | None:
+        """The episode the server's own ``oracle_field`` plays, step by step (None without one)."""
+        if not self.oracle_field:
+            return None
+        replies: list[str] = []
+        with self._session() as ws:
+            self._ask(ws, {"type": "reset", "data": {"seed": int(problem.payload["seed"])}})
+            for _ in range(self.max_turns):
+                expected = self._ask(ws, {"type": "state"}).get(self.oracle_field)
+                replies.append(str(expected))
+                data = self._ask(ws, {"type": "step", "data": self._action(str(expected))})
+                if data.get("done"):
+                    break
+            with contextlib.suppress(Exception):
+                ws.send(json.dumps({"type": "close"}))
+        return replies_text([{"role": "assistant", "content": reply} for reply in replies])
+
+    def write_answer(self, answer: str) -> str | None:
+        return answer
+
+    def parse_problem(self, data: dict[str, Any]) -> Problem:
+        """A problem named by its seed (``{"seed": N}``): the server makes its prompt."""
+        seed = data.get("seed") if isinstance(data, dict) else None
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"{self.name}: a problem is {{\"seed\": <whole number>}}")
+        for split in ("train", "eval"):
+            for problem in self._splits[split]:
+                if problem.payload["seed"] == seed:
+                    return problem
+        raise ValueError(f"{self.name}: seed {seed} is none of this environment's problems")
