@@ -335,13 +335,27 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return status
 
 
-def _env_row(name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
-    """One row of `evertrain envs`: what ``name`` is and, with ``validate_problems``, its self-test.
-    Top-level (and importing what it needs) so that a process of a pool can run it."""
+def _env_row(name: str, validate_problems: int, cases: bool, options: dict[str, Any] | None = None,
+             ) -> dict[str, Any]:
+    """One row of `evertrain envs`: what ``name`` is (built with ``options``) and, with ``validate_problems``, its
+    self-test. Top-level (and importing what it needs) so that a process of a pool can run it."""
     from evertrain.envs import registry
+
+    try:
+        env = registry.get(name, **(options or {}))
+    except (TypeError, ValueError) as error:  # an adapter that needs options: say which, list the rest
+        return {"name": name, "kind": "?", "source": "?", "problems": f"needs options ({error})", "tools": [],
+                "max_turns": None, "validation": f"skipped: needs options ({error})",
+                "selftest": {"env": name, "ok": None, "status": "skipped", "reason": str(error)}, "flagged": ""}
+    try:
+        return _described(env, name, validate_problems, cases)
+    finally:
+        env.close()
+
+
+def _described(env: Any, name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
     from evertrain.envs.quality import probe, validate
 
-    env = registry.get(name)
     try:
         count = env.count("train")
         held = env.count("eval")
@@ -369,11 +383,13 @@ def _env_row(name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
     return row
 
 
-def _env_rows(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _env_rows(names: list[str], args: argparse.Namespace,
+              options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every environment's row, in ``names``' order; self-tests on ``args.jobs`` processes (most verifiers are
     pure Python, so threads would share one core). Progress goes to stderr, always."""
+    options = options or {}
     if not args.validate:
-        return [_env_row(name, 0, False) for name in names]
+        return [_env_row(name, 0, False, options.get(name)) for name in names]
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(names)))
     rows: dict[str, dict[str, Any]] = {}
 
@@ -384,14 +400,14 @@ def _env_rows(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]
 
     if jobs == 1:
         for name in names:
-            said(_env_row(name, args.validate, args.cases))
+            said(_env_row(name, args.validate, args.cases, options.get(name)))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # spawn, not fork: the parent may hold threads and open sandboxes' state
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_env_row, name, args.validate, args.cases) for name in names]
+            futures = [pool.submit(_env_row, name, args.validate, args.cases, options.get(name)) for name in names]
             for future in as_completed(futures):
                 said(future.result())
     return [rows[name] for name in names]
@@ -401,9 +417,20 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     from evertrain.envs import registry
 
     names = registry.names(include_rg=True)
+    options: dict[str, dict[str, Any]] = {}
+    if args.config:  # the campaign's environments, with the options it builds them with
+        from evertrain.config import load_config
+
+        specs = load_config(Path(args.config)).environments
+        options = {spec.name: dict(spec.options) for spec in specs}
+        names = [spec.name for spec in specs]
+        unknown = [wanted for wanted in args.env or [] if wanted not in options]
+        if unknown:
+            raise UsageError(f"{', '.join(unknown)}: not an environment of {args.config} "
+                             f"(its environments: {', '.join(names)})")
     for wanted in args.env or []:
         registry.check_name(wanted)
-    rows = _env_rows(list(args.env or names), args)
+    rows = _env_rows(list(args.env or names), args, options)
     failed = sum(1 for row in rows if row.get("selftest", {}).get("ok") is False)
     if args.json:
         args.rows = rows  # printed by cmd_envs, once stdout is stdout again
@@ -856,6 +883,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "hard-coded visible tests, move sprays, linked or wrongly typed files: the share of "
                            "items each passes, and what it flags)")
     envs.add_argument("--env", action="append", metavar="NAME", help="only this environment (repeatable)")
+    envs.add_argument("--config", metavar="FILE",
+                      help="the environments of this campaign TOML, with their options (an OpenEnv server's app, a "
+                           "taskset's knobs): all of them, or those named with --env")
     envs.add_argument("--cases", action="store_true", help="with --json --validate: every self-test case")
     envs.add_argument("--jobs", type=int, default=0, metavar="N",
                       help="with --validate: self-test N environments at a time, each in a process of its own "

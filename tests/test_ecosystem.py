@@ -112,3 +112,21 @@ def test_a_campaign_iteration_on_three_formats_at_once(tmp_path, models_dir):
             for turn in turns:
                 start, end = turn["tokens"]
                 assert set(mask[start:end]) == ({1} if turn["role"] == "assistant" else {0})
+
+
+def test_evertrain_envs_builds_a_campaign_s_environments_with_their_options(tmp_path, capfd):
+    """`evertrain envs --config`: an adapter that needs options (an OpenEnv server's app) is built with the
+    campaign's; without them its row says what it needs instead of failing the listing."""
+    from evertrain import cli
+
+    campaign = tmp_path / "eco.toml"
+    options = ", ".join(f"{k} = {json.dumps(v)}" for k, v in COUNT.items())
+    campaign.write_text(f'name = "eco"\n[[environments]]\nname = "openenv:count"\noptions = {{ {options} }}\n')
+    assert cli.main(["envs", "--config", str(campaign), "--json"]) == 0
+    (row,) = json.loads(capfd.readouterr().out)
+    assert row["name"] == "openenv:count" and row["problems"].endswith("train / 20 eval"), row
+    assert cli.main(["envs", "--env", "openenv:count", "--json"]) == 0
+    (row,) = json.loads(capfd.readouterr().out)
+    assert row["problems"].startswith("needs options") and "app" in row["problems"], row
+    assert cli.main(["envs", "--config", str(campaign), "--env", "digits"]) == 2  # not one of the campaign's
+    assert "not an environment of" in capfd.readouterr().err

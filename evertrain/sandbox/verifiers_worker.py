@@ -100,6 +100,8 @@ class RubricWorker:
             answer = json.loads(ready or b"")
         if not isinstance(answer, dict) or not answer.get("ok"):
             why = answer.get("error") if isinstance(answer, dict) else None
+            if ready is None and proc.poll() is None:
+                why = f"its load() did not finish within {START_TIMEOUT_S:g} s"
             self._stop(proc)
             err = (proc.stderr.read().decode(errors="replace") if proc.stderr else "")[-1500:]
             raise RubricError(f"verifiers taskset {self.taskset!r} could not be loaded: "

@@ -43,8 +43,9 @@ class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
     def load(self):
         rng = random.Random(self.config.seed)
         low, high = 10 ** (self.config.digits - 1), 10 ** self.config.digits - 1
+        possible = (high - low + 1) ** self.config.terms
         seen: set[tuple[int, ...]] = set()
-        while len(seen) < self.config.num_tasks:
+        while len(seen) < min(self.config.num_tasks, possible):
             terms = tuple(rng.randint(low, high) for _ in range(self.config.terms))
             if terms in seen:
                 continue
