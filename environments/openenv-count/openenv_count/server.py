@@ -42,8 +42,8 @@ class CountEnvironment(Environment[CountAction, CountObservation, CountState]):
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> CountObservation:
         rng = random.Random(seed)
-        start = rng.randint(1, 20)
-        operations = [rng.choice([-1, 1]) * rng.randint(1, 9) for _ in range(STEPS)]
+        start = rng.randint(1, 12)
+        operations = [rng.choice([-1, 1]) * rng.randint(1, 5) for _ in range(STEPS)]
         self._state = CountState(episode_id=episode_id or str(uuid.uuid4()), step_count=0, total=start,
                                  expected=start + operations[0], operations=operations)
         return CountObservation(message=f"Start at {start}. {_say(operations[0])} {ASK}", done=False, reward=0.0)

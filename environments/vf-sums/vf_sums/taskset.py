@@ -9,6 +9,7 @@ import verifiers.v1 as vf
 
 PROMPT = "What is {expression}? Think briefly, then put the final answer in \\boxed{{}}."
 SYSTEM = "You are a careful calculator. End your reply with the answer in \\boxed{}."
+EXAMPLE = " For example: What is 4 + 9? 4 + 9 = 13, so the answer is \\boxed{13}."
 INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -37,6 +38,7 @@ class SumsConfig(vf.TasksetConfig):
     terms: int = 2
     digits: int = 2
     seed: int = 0
+    example: bool = True  # a worked example in the system prompt, showing the answer's format
 
 
 class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
@@ -51,5 +53,6 @@ class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
                 continue
             seen.add(terms)
             yield SumsTask(SumsData(id="+".join(map(str, terms)), prompt=PROMPT.format(
-                expression=" + ".join(map(str, terms))), system_prompt=SYSTEM, answer=str(sum(terms)),
+                expression=" + ".join(map(str, terms))), answer=str(sum(terms)),
+                system_prompt=SYSTEM + (EXAMPLE if self.config.example else ""),
                 terms=list(terms)), self.config.task)
