@@ -130,3 +130,53 @@ def test_evertrain_envs_builds_a_campaign_s_environments_with_their_options(tmp_
     assert row["problems"].startswith("needs options") and "app" in row["problems"], row
     assert cli.main(["envs", "--config", str(campaign), "--env", "digits"]) == 2  # not one of the campaign's
     assert "not an environment of" in capfd.readouterr().err
+
+
+class _Solver:
+    """A sampler that answers openenv-count's observations right (it reads the last one from the prompt), so an
+    episode runs to its end: every other part is real (the server, the chat template, the batched loop)."""
+
+    backend = "scripted"
+    capabilities = None
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _answer(self, context: str) -> str:
+        import re
+
+        said = context.rsplit("<|im_start|>user", 1)[-1]
+        total = int(re.search(r"(?:Start at|Right:) (-?\d+)", said).group(1))
+        sign, operand = re.search(r"(Add|Subtract) (\d+)", said).groups()
+        return str(total + int(operand) * (1 if sign == "Add" else -1))
+
+    def sample(self, prompts, n, **_):
+        from evertrain.inference.base import Sample, SamplingStats
+
+        groups = []
+        for prompt in prompts:
+            text = self._answer(self.tokenizer.decode(prompt))
+            ids = self.tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            groups.append([Sample(ids, [-0.5] * len(ids), "stop", text) for _ in range(n)])
+        return groups, SamplingStats()
+
+
+def test_an_openenv_episode_runs_to_its_end_turn_by_turn_in_the_rollout_loop(count, models_dir):
+    from transformers import AutoTokenizer
+
+    from evertrain.inference.episodes import sample_episodes
+    from evertrain.models.checkpoint import encode_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / "tiny-llama")
+    problems = count.problems("train", 3, 0)
+    prompts = [encode_chat(tokenizer, count.messages(p)) for p in problems]
+    groups, _ = sample_episodes(_Solver(tokenizer), count, problems, prompts, 2, max_new_tokens=8)
+    for problem, group in zip(problems, groups, strict=True):
+        for episode in group:
+            assert [t["role"] for t in episode.turns] == ["assistant", "user", "assistant"]
+            observation = episode.turns[1]
+            assert observation["content"].startswith("Right: ")  # the server's own words, masked from the update
+            start, end = observation["tokens"]
+            assert set(episode.loss_mask[start:end]) == {0} and sum(episode.loss_mask) > 0
+            verdict = count.verify(problem, episode.text)
+            assert verdict.passed and [s["reward"] for s in verdict.detail["steps"]] == [0.0, 1.0]
