@@ -343,7 +343,13 @@ def _env_row(name: str, validate_problems: int, cases: bool, options: dict[str, 
 
     try:
         env = registry.get(name, **(options or {}))
-    except (TypeError, ValueError) as error:  # an adapter that needs options: say which, list the rest
+    except (TypeError, ValueError) as error:
+        if options is not None:  # a campaign's own options that do not build the environment: its failure
+            return {"name": name, "kind": "?", "source": "?", "problems": f"bad options ({error})", "tools": [],
+                    "max_turns": None, "validation": f"FAILED: bad options ({error})",
+                    "selftest": {"env": name, "ok": False, "status": "failed", "failures": [str(error)]},
+                    "flagged": ""}
+        # an adapter that needs options (a listing without a campaign): say which, list the rest
         return {"name": name, "kind": "?", "source": "?", "problems": f"needs options ({error})", "tools": [],
                 "max_turns": None, "validation": f"skipped: needs options ({error})",
                 "selftest": {"env": name, "ok": None, "status": "skipped", "reason": str(error)}, "flagged": ""}

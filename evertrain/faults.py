@@ -30,6 +30,8 @@ def maybe_kill(point: str) -> None:
     if not name:
         os.kill(os.getpid(), signal.SIGKILL)
         return
+    if name not in signal.Signals.__members__:
+        raise ValueError(f"EVERTRAIN_KILL_AT={target!r}: {name!r} is no signal name (e.g. SIGINT, SIGTERM)")
     _SignalInFinalizer(signal.Signals[name])  # dropped at once: its finalizer runs now
 
 

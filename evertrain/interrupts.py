@@ -18,6 +18,7 @@ KeyboardInterrupt there: in the main thread, in ordinary code, where nothing swa
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -76,7 +77,16 @@ def watch() -> bool:
     thread.start()
     _watcher.append(thread)
     _keep.extend((reader, writer))
+    os.register_at_fork(after_in_child=_forget_in_child)
     return True
+
+
+def _forget_in_child() -> None:
+    """A child forked from the run (no exec) would share the wakeup socket: its own signals would stop the run."""
+    with contextlib.suppress(ValueError):  # not the main thread of the child
+        signal.set_wakeup_fd(-1)
+    _recorded.clear()
+    _watcher.clear()
 
 
 _keep: list[socket.socket] = []  # the watcher's sockets live as long as the process

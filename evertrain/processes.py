@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 Process = subprocess.Popen | int
 
@@ -93,3 +99,34 @@ def tied_to(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the line above: nobody will tell us
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+_spawner: list[Any] = []  # the spawner thread's queue of (function, future), once started
+_spawner_lock = threading.Lock()
+
+
+def in_spawner(function: Callable[[], T]) -> T:
+    """``function()`` run on the process's spawner thread, a daemon thread that lives as long as the process.
+
+    Linux's parent-death signal (PR_SET_PDEATHSIG: :func:`tied_to`, bwrap's ``--die-with-parent``) fires when the
+    THREAD that started a child ends, not the process: a helper server started from a pool thread (a grade, an
+    environment's reply) died with that pool. Started from here, it dies with the process alone."""
+    if threading.current_thread() is threading.main_thread():
+        return function()  # the main thread ends with the process: no need to hand over
+    with _spawner_lock:
+        if not _spawner:
+            jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+
+            def serve() -> None:
+                while True:
+                    job, future = jobs.get()
+                    try:
+                        future.set_result(job())
+                    except BaseException as error:  # handed to the caller, who raises it
+                        future.set_exception(error)
+
+            threading.Thread(target=serve, name="evertrain-spawner", daemon=True).start()
+            _spawner.append(jobs)
+    future: Future[T] = Future()
+    _spawner[0].put((function, future))
+    return future.result()

@@ -11,7 +11,8 @@ from typing import Any
 
 class _Bar:
     """A tqdm bar whose every step is also a place where a recorded stop signal stops the run
-    (:func:`evertrain.interrupts.check`): long stages stop within a step, not at their end."""
+    (:func:`evertrain.interrupts.check`), where the step is counted on the main thread (rollout, evaluation,
+    update); a bar counted from pool threads (grading) stops at the stage's end."""
 
     def __init__(self, bar: Any) -> None:
         self._bar = bar

@@ -62,20 +62,30 @@ def _held_out_index(config_json: str) -> tuple[frozenset[str], NgramIndex]:
     ids = set()
     for spec in config.environments:
         env = registry.get(spec.name, **spec.options)
-        mine = NgramIndex(n=config.curation.decontamination_ngram)
-        gate = config.held_out_size(spec.name)
-        # the sealed splits are kept out of training like the gate's set: curation only learns their ids
-        # and n-grams to refuse anything that leaks them, never their answers or scores
-        sealed = [p for split in ("test", "transfer")
-                  for p in env.sealed_problems(split, config.sealed_size(spec.name), config.seed, gate)]
-        for problem in gate_problems(env, config) + sealed:
-            ids.add(problem.id)
-            if not env.templated:
-                mine.add(problem.prompt)
-        if not env.templated:  # the environment's own instructions repeat in every prompt: not a leak
-            mine.drop_boilerplate([p.prompt for p in env.problems("train", 200, config.seed)])
-        index.grams |= mine.grams
-        env.close()  # what it started for this (an environment server) is not kept
+        try:
+            ids |= _held_out_of(env, spec.name, config, index)
+        finally:
+            env.close()  # what it started for this (an environment server) is not kept
+    return frozenset(ids), index
+
+
+def _held_out_of(env: Any, name: str, config: CampaignConfig, index: NgramIndex) -> set[str]:
+    """The ids of ``env``'s held-out problems (the gate's and the sealed splits'); their n-grams go into ``index``."""
+    ids: set[str] = set()
+    mine = NgramIndex(n=config.curation.decontamination_ngram)
+    gate = config.held_out_size(name)
+    # the sealed splits are kept out of training like the gate's set: curation only learns their ids
+    # and n-grams to refuse anything that leaks them, never their answers or scores
+    sealed = [p for split in ("test", "transfer")
+              for p in env.sealed_problems(split, config.sealed_size(name), config.seed, gate)]
+    for problem in gate_problems(env, config) + sealed:
+        ids.add(problem.id)
+        if not env.templated:
+            mine.add(problem.prompt)
+    if not env.templated:  # the environment's own instructions repeat in every prompt: not a leak
+        mine.drop_boilerplate([p.prompt for p in env.problems("train", 200, config.seed)])
+    index.grams |= mine.grams
+    return ids
     return frozenset(ids), index
 
 

@@ -66,6 +66,21 @@ def test_a_rubric_that_crashes_or_hangs_costs_that_rollout_only(loose):
         assert good.passed, good
 
 
+def test_a_grade_starts_no_process_and_cannot_forge_later_grades(loose):
+    """A reward function that runs the answer (eval, sympy) would let the answer start a process that outlives its
+    grade and writes forged grades: a grading child starts none (an audit hook refuses it: that rollout's grader
+    error), keeps no descriptor but its reply pipe, and its whole process group is killed after each grade."""
+    import time
+
+    problem = loose.problems("train", 1, 0)[0]
+    refused = loose.verify(problem, "fork")
+    assert refused.reason == "grader_error" and "os.fork" in refused.detail["error"], refused
+    time.sleep(0.5)  # the forger's writes, had it any descriptor of the worker's
+    for reply in ("\\boxed{-1}", "nothing", "\\boxed{-2}"):
+        verdict = loose.verify(problem, reply)
+        assert verdict.reward == 0.0 and verdict.reason == "wrong", verdict
+
+
 def test_a_loose_rubric_is_flagged_and_refused_unless_accepted(loose):
     report = validate(loose, problems=1)
     assert not report.ok and any("(hedge)" in failure for failure in report.failures), report.failures
@@ -85,6 +100,11 @@ def test_bad_options_and_names_are_refused_with_what_is_wrong():
     missing = registry.get("verifiers:vf-no-such-taskset")
     with pytest.raises(RubricError, match="vf-no-such-taskset"):
         missing.problems("train", 1, 0)
+    from evertrain.envs.base import Problem
+
+    # a grade never raises: a worker that cannot start is that rollout's grader error, at once the second time
+    stray = Problem("verifiers:vf-no-such-taskset", "x", "What?", {"key": "k", "messages": []})
+    assert missing.verify(stray, "1").reason == "grader_error"
     wrong_knob = registry.get("verifiers:vf-sums", digitz=3)
     with pytest.raises(RubricError, match="digitz"):
         wrong_knob.problems("train", 1, 0)

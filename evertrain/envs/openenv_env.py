@@ -49,6 +49,8 @@ from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdic
 EVAL_SEED_BASE = 1_000_000
 INTEGER = re.compile(r"-?[0-9]+")
 START_TIMEOUT_S = 90.0
+BUSY_TRIES = 8  # a server at its session limit is asked again, 0.05 s, 0.1 s ... apart
+ACTION_ERRORS = ("VALIDATION_ERROR", "EXECUTION_ERROR")  # a step refused for its action: the policy's own failure
 
 
 class OpenEnvError(RuntimeError):
@@ -56,7 +58,11 @@ class OpenEnvError(RuntimeError):
 
 
 class _Invalid(Exception):
-    """A reply that is no action of this environment."""
+    """A reply that is no action of this environment (or one its server refused as an action)."""
+
+
+class _Busy(Exception):
+    """The server is at its session limit."""
 
 
 class OpenEnvEnvironment(FixedSplits, Environment):
@@ -82,6 +88,11 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         for option, value in (("train_seeds", train_seeds), ("eval_seeds", eval_seeds), ("max_turns", max_turns)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where}: {option} must be a whole number of at least 1, got {value!r}")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"{where}: url must start with http:// or https://, got {url!r}")
+        if not float(success_reward) > 0 or not float(timeout_s) > 0:
+            raise ValueError(f"{where}: success_reward and timeout_s must be above 0, got {success_reward!r} and "
+                             f"{timeout_s!r}")
         if train_seeds > EVAL_SEED_BASE:
             raise ValueError(f"{where}: train_seeds must be at most {EVAL_SEED_BASE} (held-out seeds start there)")
         self.name = where  # type: ignore[misc]
@@ -114,18 +125,23 @@ class OpenEnvEnvironment(FixedSplits, Environment):
             return self._address
 
     def _start(self) -> subprocess.Popen[bytes]:
-        from evertrain.processes import tied_to
+        from evertrain.processes import in_spawner, tied_to
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         self._address = f"http://127.0.0.1:{port}"
         parent = os.getpid()
+        if self._log:
+            with contextlib.suppress(OSError):
+                os.unlink(self._log)
         with tempfile.NamedTemporaryFile(prefix="evertrain-openenv-", suffix=".log", delete=False) as log:
             self._log = log.name
-            server = subprocess.Popen([sys.executable, "-m", "uvicorn", str(self.app), "--host", "127.0.0.1",
-                                       "--port", str(port), "--log-level", "warning"], stdin=subprocess.DEVNULL,
-                                      stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: tied_to(parent))
+            argv = [sys.executable, "-m", "uvicorn", str(self.app), "--host", "127.0.0.1", "--port", str(port),
+                    "--log-level", "warning"]
+            # from the spawner thread: the parent-death signal fires when the starting THREAD ends
+            server = in_spawner(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                                         stderr=subprocess.STDOUT, preexec_fn=lambda: tied_to(parent)))
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server.poll() is not None:
@@ -184,8 +200,13 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         answer = json.loads(ws.recv(timeout=self.timeout_s))
         if not isinstance(answer, dict) or answer.get("type") == "error":
             data = answer.get("data", {}) if isinstance(answer, dict) else {}
-            raise OpenEnvError(f"{self.name}: the server refused {message.get('type')}: "
-                               f"{data.get('message', answer)} ({data.get('code', '?')})")
+            code = str(data.get("code", "?")) if isinstance(data, dict) else "?"
+            text = f"{data.get('message', answer) if isinstance(data, dict) else answer} ({code})"
+            if message.get("type") == "step" and code in ACTION_ERRORS:  # the policy's action, refused: its fault
+                raise _Invalid(text)
+            if code == "CAPACITY_REACHED":
+                raise _Busy(text)
+            raise OpenEnvError(f"{self.name}: the server refused {message.get('type')}: {text}")
         return answer.get("data", {})
 
     def _observation_text(self, data: dict[str, Any]) -> str:
@@ -202,9 +223,25 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         numbers = INTEGER.findall(reply)
         if not numbers:
             raise _Invalid("the reply holds no whole number")
-        return {self.action_field: int(numbers[-1])}
+        try:
+            return {self.action_field: int(numbers[-1])}
+        except ValueError:  # more digits than Python converts (4,300): no action of any environment
+            raise _Invalid("the reply's number is too long") from None
 
     def _play(self, seed: int, replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
+        """:meth:`_play_once`, tried again while the server is at its session limit (``max_concurrent_envs``):
+        a busy server is not the policy's failure."""
+        for attempt in range(BUSY_TRIES):
+            try:
+                return self._play_once(seed, replies)
+            except _Busy as busy:
+                if attempt == BUSY_TRIES - 1:
+                    raise OpenEnvError(f"{self.name}: the server stayed at its session limit ({busy}); raise its "
+                                       f"max_concurrent_envs") from None
+                time.sleep(0.05 * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _play_once(self, seed: int, replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
         """Reset with ``seed`` and step once per reply (stopping at ``done``): (the first observation, the steps,
         whether a reply was no action)."""
         steps: list[dict[str, Any]] = []
@@ -214,10 +251,10 @@ class OpenEnvEnvironment(FixedSplits, Environment):
             for reply in replies:
                 try:
                     action = self._action(reply)
+                    data = self._ask(ws, {"type": "step", "data": action})
                 except _Invalid:
                     invalid = True
                     break
-                data = self._ask(ws, {"type": "step", "data": action})
                 steps.append({"action": action[self.action_field], "observation": self._observation_text(data),
                               "reward": float(data.get("reward") or 0.0), "done": bool(data.get("done"))})
                 if steps[-1]["done"]:

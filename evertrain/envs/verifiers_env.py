@@ -83,6 +83,9 @@ class VerifiersEnvironment(FixedSplits, Environment):
         self.accepted_probes = frozenset(accept)
         self.templated = bool(templated)  # type: ignore[misc]
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        if not self.timeout_s > 0 or self.memory_mb < 64:
+            raise ValueError(f"verifiers:{taskset}: timeout_s must be above 0 and memory_mb at least 64, got "
+                             f"{timeout_s!r} and {memory_mb!r}")
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"verifiers:{taskset}: max_turns must be a whole number of at least 1, got {max_turns!r}")
         self.turn_limit = max_turns
@@ -131,9 +134,9 @@ class VerifiersEnvironment(FixedSplits, Environment):
 
     @cached_property
     def _listing(self) -> dict[str, Any]:
-        from evertrain.sandbox.verifiers_worker import RubricError
+        from evertrain.sandbox.verifiers_worker import LISTING_LIMIT, RubricError
 
-        reply = self.worker.request({"op": "tasks"}, timeout_s=120.0)
+        reply = self.worker.request({"op": "tasks"}, timeout_s=120.0, limit=LISTING_LIMIT)
         if not reply.get("ok"):
             raise RubricError(f"{self.name}: the taskset's tasks could not be listed: {reply.get('error')}")
         return reply
@@ -198,7 +201,11 @@ class VerifiersEnvironment(FixedSplits, Environment):
                                    timeout_s=self.timeout_s + 2.0)
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
-        if self.multi_turn:  # the episode replayed from the policy's replies, then its transcript scored
+        try:
+            multi_turn = self.multi_turn
+        except Exception as error:  # the taskset cannot be loaded: this rollout's grader error, not the batch's
+            return Verdict.fail("grader_error", error=f"{type(error).__name__}: {error}"[:500])
+        if multi_turn:  # the episode replayed from the policy's replies, then its transcript scored
             replies = replies_of(completion)[:self.max_turns]
             reply = self._request(problem, {"op": "episode", "opening": problem.payload.get("messages", []),
                                             "replies": replies, "score": True})

@@ -104,7 +104,7 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
                 if episode.finish_reason != "length" and sum(t["role"] == "assistant" for t in episode.turns) == turn]
         if conversational:  # the environment itself answers each turn
             with ThreadPoolExecutor(max_workers=tool_workers) as pool:
-                said = list(pool.map(lambda item: env.reply(problems[item[0]], episodes[item[0]][item[1]].turns),
+                said = list(pool.map(lambda item: _reply(env, problems[item[0]], episodes[item[0]][item[1]].turns),
                                      live))
             spoken = [(g, i, text) for (g, i), text in zip(live, said, strict=True) if text is not None]
             if not spoken:
@@ -188,3 +188,12 @@ def _environment_turns(tokenizer: Any, episodes: list[list[Episode]], chats: lis
         contexts.append(prompts[g] + episode.completion_ids)
         owners.append((g, i))
     return contexts, owners
+
+
+def _reply(env: Environment, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
+    """What a conversational environment says next; an environment that fails ends that episode alone (its grade
+    then says why), never the batch."""
+    try:
+        return env.reply(problem, turns)
+    except Exception:
+        return None

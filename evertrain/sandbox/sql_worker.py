@@ -95,8 +95,8 @@ class SqlWorker:
             self._stop()
 
 
-def _read_line(fd: int, timeout_s: float) -> bytes | None:
-    """One line from ``fd`` within ``timeout_s`` seconds (None: late or closed)."""
+def _read_line(fd: int, timeout_s: float, limit: int = 4 << 20) -> bytes | None:
+    """One line from ``fd`` within ``timeout_s`` seconds and ``limit`` bytes (None: late, closed or too long)."""
     import selectors
 
     end = time.monotonic() + timeout_s
@@ -111,7 +111,7 @@ def _read_line(fd: int, timeout_s: float) -> bytes | None:
             if not chunk:
                 return None
             data += chunk
-            if len(data) > 4 << 20:
+            if len(data) > limit:
                 return None
     return data.split(b"\n", 1)[0]
 

@@ -31,6 +31,7 @@ never changes what the rubric checks against.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -40,6 +41,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,8 @@ from evertrain.sandbox.sql_worker import _read_line
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0  # importing verifiers.v1 takes about 3.5 s here; a large taskset's load() more
+START_COOLDOWN_S = 60.0  # after a failed start, requests fail at once for this long (then one start is tried again)
+LISTING_LIMIT = 512 << 20  # the taskset's listing is one line: a large taskset's is many megabytes
 
 
 class RubricError(RuntimeError):
@@ -84,16 +88,23 @@ class RubricWorker:
         self.taskset, self.knobs, self.path, self.grace_s = taskset, knobs, path, grace_s
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._failed: tuple[float, str] | None = None  # when the last start failed, and why
 
     def _start(self) -> subprocess.Popen[bytes]:
+        from evertrain.processes import in_spawner
+
         paths = [self.path] if self.path else []
         argv = [*jail_argv(paths), sys.executable, "-s", "-m", "evertrain.sandbox.verifiers_worker",
                 "--taskset", self.taskset, "--knobs", json.dumps(self.knobs)]
         if self.path:
             argv += ["--path", str(Path(self.path).resolve())]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, cwd="/tmp")
+        # started from the process's spawner thread: bwrap's --die-with-parent (PR_SET_PDEATHSIG) fires when the
+        # thread that started it ends, and a grade may come from a pool thread that is about to
+        proc = in_spawner(lambda: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE, start_new_session=True, cwd="/tmp"))
         assert proc.stdout is not None
+        tail: collections.deque[bytes] = collections.deque(maxlen=64)  # stderr read from the start: never blocks it
+        threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
         ready = _read_line(proc.stdout.fileno(), START_TIMEOUT_S)
         answer = None
         with contextlib.suppress(ValueError, TypeError):
@@ -103,10 +114,9 @@ class RubricWorker:
             if ready is None and proc.poll() is None:
                 why = f"its load() did not finish within {START_TIMEOUT_S:g} s"
             self._stop(proc)
-            err = (proc.stderr.read().decode(errors="replace") if proc.stderr else "")[-1500:]
+            err = b"".join(tail).decode(errors="replace")[-1500:]
             raise RubricError(f"verifiers taskset {self.taskset!r} could not be loaded: "
                               f"{why or err.strip() or 'the worker exited'}")
-        threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
         return proc
 
     @staticmethod
@@ -116,17 +126,28 @@ class RubricWorker:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
-    def request(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send one request; a worker that dies or misses ``timeout_s + grace_s`` is replaced."""
+    def request(self, request: dict[str, Any], timeout_s: float, limit: int = 4 << 20) -> dict[str, Any]:
+        """Send one request; a worker that dies or misses ``timeout_s + grace_s`` is replaced. Never raises: a
+        worker that cannot start answers ``{"ok": False, "error"}`` (and, for ``START_COOLDOWN_S``, so does every
+        later request, at once, instead of each paying another start)."""
         with self._lock:
             for _attempt in range(2):  # a worker that died since the last call is restarted once
                 if self._proc is None or self._proc.poll() is not None:
                     self._stop(self._proc)
-                    self._proc = self._start()
+                    self._proc = None
+                    if self._failed is not None and time.monotonic() - self._failed[0] < START_COOLDOWN_S:
+                        return {"ok": False, "error": self._failed[1]}
+                    try:
+                        self._proc = self._start()
+                    except (RubricError, OSError) as error:
+                        self._failed = (time.monotonic(), str(error))
+                        return {"ok": False, "error": str(error)}
+                    self._failed = None
                 proc = self._proc
                 assert proc.stdin is not None and proc.stdout is not None
                 try:
@@ -136,11 +157,13 @@ class RubricWorker:
                     self._stop(proc)
                     self._proc = None
                     continue
-                reply = _read_line(proc.stdout.fileno(), timeout_s + self.grace_s)
-                if reply is None:  # late or dead: this worker is not trusted with another request
+                reply = _read_line(proc.stdout.fileno(), timeout_s + self.grace_s, limit)
+                if reply is None:  # late, dead or too long: this worker is not trusted with another request
+                    alive = proc.poll() is None
                     self._stop(proc)
                     self._proc = None
-                    return {"ok": False, "error": f"the rubric worker gave no answer within {timeout_s:g} s"}
+                    return {"ok": False, "error": f"the rubric worker gave no answer within {timeout_s:g} s" if alive
+                            else "the rubric worker died (or its answer was over the size limit)"}
                 try:
                     answer = json.loads(reply)
                 except ValueError:
@@ -158,11 +181,12 @@ class RubricWorker:
             self._proc = None
 
 
-def _drain(stream: Any) -> None:
-    """Read the worker's stderr away (verifiers logs there), so a full pipe never blocks it."""
+def _drain(stream: Any, tail: collections.deque[bytes]) -> None:
+    """Read the worker's stderr away from its start (verifiers logs there, and so does what a package prints), so a
+    full pipe never blocks it; the last lines are kept for an error message."""
     with contextlib.suppress(Exception):
-        while stream.read(65536):
-            pass
+        for line in iter(stream.readline, b""):
+            tail.append(line[-2000:])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,8 +214,9 @@ def multi_turn(env: Any) -> bool:
     return not isinstance(env, SingleAgentEnv)
 
 
-class _OutOfReplies(Exception):
-    """The replay has used every reply it was given: ``message`` is what the environment said next."""
+class _OutOfReplies(BaseException):
+    """The replay has used every reply it was given: ``message`` is what the environment said next. A
+    BaseException, so an environment's ``except Exception`` around its turns does not swallow it."""
 
     def __init__(self, message: str | None) -> None:
         self.message = message
@@ -203,10 +228,16 @@ def _content(message: Any) -> str:
 
 class _Interaction:
     """One role's exchange in a replay: the environment's messages are recorded, the policy's replies are the
-    ones given, in order; when they run out the replay stops, holding what the environment said last."""
+    ones given, in order; when they run out the replay stops, holding what the environment said last. Its
+    ``trace`` is a real ``vf.Trace`` of the exchange so far (an environment may record rewards on it in ``run``)."""
 
-    def __init__(self, opening: list[dict[str, str]], replies: list[str]) -> None:
+    def __init__(self, task: Any, opening: list[dict[str, str]], replies: list[str]) -> None:
         self.messages, self.replies = list(opening), list(replies)
+        self.trace = _trace(task, self.messages)
+
+    def _add(self, message: dict[str, str]) -> None:
+        self.messages.append(message)
+        _append(self.trace, message)
 
     async def turn(self, message: Any = None) -> Any:
         import verifiers.v1 as vf
@@ -217,9 +248,9 @@ class _Interaction:
         if not self.replies:
             raise _OutOfReplies(said)
         if said is not None:
-            self.messages.append({"role": "user", "content": said})
+            self._add({"role": "user", "content": said})
         reply = self.replies.pop(0)
-        self.messages.append({"role": "assistant", "content": reply})
+        self._add({"role": "assistant", "content": reply})
         return vf.Segment(messages=[vf.AssistantMessage(content=reply)])
 
 
@@ -231,7 +262,7 @@ class _Agent:
     async def interaction(self, task: Any, **_: Any) -> Any:
         if self.runs:
             raise RuntimeError("the environment opened a second interaction: one per episode is supported")
-        interaction = _Interaction(self.opening, self.replies)
+        interaction = _Interaction(task, self.opening, self.replies)
         self.runs.append(interaction)
         yield interaction
 
@@ -253,10 +284,9 @@ class _Agents:
             raise AttributeError(name) from None
 
 
-def replay(env: Any, task: Any, opening: list[dict[str, str]], replies: list[str]) -> tuple[list[dict[str, str]],
-                                                                                           str | None, bool]:
-    """Run the environment's ``run`` on ``task`` with the policy's ``replies``: (the transcript, the environment's
-    next message once the replies ran out (None: it said nothing more), whether the episode ended)."""
+def replay(env: Any, task: Any, opening: list[dict[str, str]], replies: list[str]) -> tuple[Any, str | None, bool]:
+    """Run the environment's ``run`` on ``task`` with the policy's ``replies``: (the exchange's trace, the
+    environment's next message once the replies ran out (None: it said nothing more), whether the episode ended)."""
     import asyncio
 
     runs: list[_Interaction] = []
@@ -264,8 +294,8 @@ def replay(env: Any, task: Any, opening: list[dict[str, str]], replies: list[str
     try:
         asyncio.run(env.run(task, agents))
     except _OutOfReplies as stop:
-        return (runs[0].messages if runs else list(opening)), stop.message, False
-    return (runs[0].messages if runs else list(opening)), None, True
+        return (runs[0].trace if runs else _trace(task, opening)), stop.message, False
+    return (runs[0].trace if runs else _trace(task, opening)), None, True
 
 
 def _trace(task: Any, messages: list[dict[str, Any]]) -> Any:
@@ -274,11 +304,40 @@ def _trace(task: Any, messages: list[dict[str, Any]]) -> Any:
 
     trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                      state=state_cls(type(task))(), agent=vf.AgentInfo(config=vf.AgentConfig(model="evertrain")))
-    for index, message in enumerate(messages):
-        node = vf.MessageNode.model_validate({"message": message}).message
-        trace.nodes.append(vf.MessageNode(parent=index - 1 if index else None, message=node,
-                                          sampled=node.role == "assistant"))
+    for message in messages:
+        _append(trace, message)
     return trace
+
+
+def _append(trace: Any, message: dict[str, Any]) -> None:
+    import verifiers.v1 as vf
+
+    node = vf.MessageNode.model_validate({"message": message}).message
+    index = len(trace.nodes)
+    trace.nodes.append(vf.MessageNode(parent=index - 1 if index else None, message=node,
+                                      sampled=node.role == "assistant"))
+
+
+def _transcript(trace: Any) -> list[dict[str, str]]:
+    return [{"role": str(node.message.role), "content": _content(node.message)} for node in trace.nodes]
+
+
+_STDERR = 2  # a grading child's stdout goes where the worker's stderr goes (read away by the parent)
+# what no reward function needs and an answer it runs (eval, sympy's parser) could use to outlive its grade
+_REFUSED_EVENTS = frozenset(("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                             "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen",
+                             "ctypes.dlsym", "ctypes.call_function"))
+
+
+def _refuse_processes() -> None:
+    """In a grading child, for good (an audit hook cannot be removed): no process started, none signalled, no C
+    function called through ctypes. A reward function that tries raises, and that rollout gets a grader error."""
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event in _REFUSED_EVENTS:
+            raise RuntimeError(f"refused in a grade: {event}")
+
+    sys.addaudithook(hook)
 
 
 class _Done(Exception):
@@ -292,6 +351,7 @@ def _score_child(env: Any, task: Any, request: dict[str, Any], write_fd: int) ->
     import logging
 
     logging.disable(logging.CRITICAL)  # the reply is the only output that counts
+    _refuse_processes()
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (int(request["memory_mb"]) * mb,) * 2)
     cpu = int(request["timeout_s"]) + 1
@@ -299,15 +359,15 @@ def _score_child(env: Any, task: Any, request: dict[str, Any], write_fd: int) ->
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
     reply: dict[str, Any]
     try:
-        messages = request.get("messages")
         episode: dict[str, Any] = {}
         if "replies" in request:  # a multi-turn episode: the environment replayed with the policy's replies
-            messages, said, ended = replay(env, task, request["opening"], list(request["replies"]))
-            episode = {"next": said, "ended": ended, "messages": messages}
+            trace, said, ended = replay(env, task, request["opening"], list(request["replies"]))
+            episode = {"next": said, "ended": ended, "messages": _transcript(trace)}
             if not request.get("score"):
                 reply = {"ok": True, **episode}
                 raise _Done
-        trace = _trace(task, messages)
+        else:
+            trace = _trace(task, request["messages"])
         asyncio.run(task.score(trace))
         rewards = {name: [float(r.score), float(r.weight)] for name, r in trace.rewards.items()}
         metrics = {name: float(value) for name, value in trace.metrics.items()
@@ -337,18 +397,30 @@ def _score(env: Any, tasks: dict[str, Any], request: dict[str, Any]) -> dict[str
     if task is None:
         return {"ok": False, "error": f"no task with key {request.get('key')!r} in this taskset"}
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+    try:
+        pid = os.fork()
+    except OSError:
         os.close(read_fd)
+        os.close(write_fd)
+        raise
+    if pid == 0:
         try:
+            # a process group of its own (killed whole after the grade: nothing an answer starts outlives it), and
+            # no descriptor but its reply pipe: the worker's request and protocol pipes stay out of its reach
+            os.setpgid(0, 0)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, 0)
+            os.dup2(_STDERR, 1)
+            os.closerange(3, write_fd)
+            os.closerange(write_fd + 1, 1 << 16)
             _score_child(env, task, request, write_fd)
         finally:
             os._exit(1)
     os.close(write_fd)
     line = _read_line(read_fd, float(request["timeout_s"]))
     os.close(read_fd)
-    if line is None:
-        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)  # the child and whatever it started, however the grade ended
     _, status = os.waitpid(pid, 0)
     if line is not None:
         with contextlib.suppress(ValueError):
@@ -368,10 +440,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the package prints goes to stderr; the protocol has its own descriptor
+    os.set_inheritable(2, True)
     if args.path:
         sys.path.insert(0, args.path)
     try:
         env, tasks = _load(args.taskset, json.loads(args.knobs))
+        if tasks:  # a first trace here: what verifiers caches on it (its own git commit, found by running git)
+            _trace(next(iter(tasks.values())), [])  # is looked up once, before any grading child refuses processes
     except BaseException as error:
         out.write(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"[:1500]}).encode() + b"\n")
         out.flush()
