@@ -131,3 +131,19 @@ def test_a_multi_turn_environment_is_replayed_from_the_policy_s_replies_alone():
     assert not guess.verify(problem, forged).passed
     # more replies than the turn limit: graded on the first max_turns only
     assert not guess.verify(problem, json.dumps({"replies": [low] * 3 + [target]})).passed
+
+
+def test_a_campaign_refuses_to_train_on_a_loose_rubric_until_its_config_accepts_the_probe(tmp_path, models_dir):
+    from evertrain.runtime import EnvironmentInvalid, Runtime
+    from tests.conftest import smoke_config_in
+
+    spec = {"name": "verifiers:vf-planted", "weight": 1, "options": {"path": PLANTED, "mode": "loose",
+                                                                      "timeout_s": 2}}
+    config = smoke_config_in(tmp_path / "refused", models_dir, name="loose", environments=[spec])
+    with Runtime.open(config) as rt, pytest.raises(EnvironmentInvalid, match=r"\(hedge\)"):
+        rt.ensure_started()
+    spec["options"]["accept"] = ["hedge"]
+    config = smoke_config_in(tmp_path / "accepted", models_dir, name="loose", environments=[spec])
+    with Runtime.open(config) as rt:
+        rt.ensure_started()  # the same rubric, its paid probe accepted by name: it trains
+        assert rt.store.campaign_state("loose") is not None
