@@ -55,6 +55,9 @@ def test_the_held_out_seeds_are_apart_and_the_self_test_holds(count):
     assert min(p.payload["seed"] for p in held) > max(p.payload["seed"] for p in train)
     report = validate(count, problems=2)
     assert report.ok, report.failures
+    from evertrain.curriculum import BandLadder, ladder_for
+
+    assert isinstance(ladder_for(count), BandLadder)  # a curriculum of pass-rate bands, as for any fixed pool
     assert report.by_label()["good"]["cases"] >= 4  # the reference episodes played by the server's own state
 
 
