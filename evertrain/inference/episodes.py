@@ -138,19 +138,11 @@ def sample_episodes(sampler: Sampler, env: Environment, problems: list[Problem],
             episode.tool_errors += int(result.error)
             episode.sandbox_runs += list(getattr(result, "sandbox_runs", []) or [])
             message = {"role": "tool", "content": format_tool_result(call.name, result)}
-            chat = history.setdefault((g, i), list(chats[g]))
-            chat.append({"role": "assistant", "content": episode.turns[-1]["content"]})
-            # a turn cut at the tool's closing tag has not produced the end-of-turn token: the template's is
-            # then part of the (untrained) tool message
-            ids = tool_message_ids(tokenizer, chat, message, eos_text if episode.finish_reason == "stop" else "")
-            chat.append(message)
-            start = len(episode.completion_ids)
-            episode.completion_ids += ids
-            episode.logprobs += [0.0] * len(ids)
-            episode.loss_mask += [0] * len(ids)
+            tokens = _append_context(tokenizer, episode, history.setdefault((g, i), list(chats[g])), message,
+                                     eos_text)
             episode.turns.append({"role": "tool", "name": call.name, "input": call.input,
                                   "content": message["content"], "output": result.output, "error": result.error,
-                                  "tokens": [start, len(episode.completion_ids)]})
+                                  "tokens": tokens})
             contexts.append(prompts[g] + episode.completion_ids)
             owners.append((g, i))
         more, more_stats = sampler.sample(contexts, 1, max_new_tokens=max_new_tokens,
@@ -176,18 +168,28 @@ def _environment_turns(tokenizer: Any, episodes: list[list[Episode]], chats: lis
     for g, i, text in spoken:
         episode = episodes[g][i]
         message = {"role": "user", "content": text}
-        chat = history.setdefault((g, i), list(chats[g]))
-        chat.append({"role": "assistant", "content": episode.turns[-1]["content"]})
-        ids = tool_message_ids(tokenizer, chat, message, eos_text if episode.finish_reason == "stop" else "")
-        chat.append(message)
-        start = len(episode.completion_ids)
-        episode.completion_ids += ids
-        episode.logprobs += [0.0] * len(ids)
-        episode.loss_mask += [0] * len(ids)
-        episode.turns.append({"role": "user", "content": text, "tokens": [start, len(episode.completion_ids)]})
+        tokens = _append_context(tokenizer, episode, history.setdefault((g, i), list(chats[g])), message, eos_text)
+        episode.turns.append({"role": "user", "content": text, "tokens": tokens})
         contexts.append(prompts[g] + episode.completion_ids)
         owners.append((g, i))
     return contexts, owners
+
+
+def _append_context(tokenizer: Any, episode: Episode, chat: list[dict[str, str]], message: dict[str, str],
+                    eos_text: str) -> list[int]:
+    """Append ``message`` (a tool's output, or what the environment said) after the episode's last policy turn:
+    its tokens as the model's chat template renders them, never trained on (logprob 0, loss mask 0). Returns the
+    [start, end) of its tokens in the episode's completion."""
+    chat.append({"role": "assistant", "content": episode.turns[-1]["content"]})
+    # a turn cut at a tool's closing tag has not produced the end-of-turn token: the template's is then part of the
+    # (untrained) message
+    ids = tool_message_ids(tokenizer, chat, message, eos_text if episode.finish_reason == "stop" else "")
+    chat.append(message)
+    start = len(episode.completion_ids)
+    episode.completion_ids += ids
+    episode.logprobs += [0.0] * len(ids)
+    episode.loss_mask += [0] * len(ids)
+    return [start, len(episode.completion_ids)]
 
 
 def _reply(env: Environment, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
