@@ -4,6 +4,7 @@ package in environments/ installed with pip by `make setup`; and the OpenEnv ada
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import psutil
@@ -31,7 +32,13 @@ def _servers() -> list[psutil.Process]:
 def test_an_openenv_episode_of_several_steps_is_played_and_graded_from_the_replies(count):
     problem = count.problems("train", 1, 0)[0]
     assert problem.prompt.startswith("Start at ") and isinstance(problem.payload["seed"], int)
-    assert _servers(), "the adapter started no server"
+    servers = _servers()
+    assert servers, "the adapter started no server"
+    # served in the jail (bwrap: no network), on a Unix socket: no TCP port is open
+    assert any(p.name() == "bwrap" for p in servers), [p.cmdline()[:3] for p in servers]
+    for server in servers:
+        with contextlib.suppress(psutil.Error):
+            assert not [c for c in server.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
     first = problem.payload["answer"]
     said = count.reply(problem, [{"role": "assistant", "content": f"The total is {first}."}])
     assert said is not None and said.startswith(f"Right: {first}.")  # the server's next observation

@@ -2,9 +2,11 @@
 ``reset``/``step`` over a server) as an evertrain environment, one episode per rollout.
 
 - **The server**: ``app = "package.module:app"`` (the ASGI app the package builds with ``create_app``) is started
-  by this environment as a real uvicorn process on a free local port when first needed, in a session of its
-  own and tied to the run's life (it dies with it, SIGKILL included), and stopped when the campaign's context
-  closes; ``url = "http://host:port"`` points at a server someone else runs instead.
+  by this environment as a real uvicorn process when first needed, in the rubric worker's bubblewrap jail
+  (read-only file system, no network, its own PID namespace; :func:`evertrain.sandbox.verifiers_worker.jail_argv`)
+  serving on a Unix socket in a folder bound into the jail, in a session of its own and tied to the run's life (it
+  dies with it, SIGKILL included), and stopped when the campaign's context closes; ``url = "http://host:port"``
+  points at a server someone else runs instead.
 - **The protocol**: OpenEnv keeps an episode only over its WebSocket (``/ws``: one connection, one session, one
   environment instance; its HTTP ``/reset`` and ``/step`` build a fresh environment per request and keep no
   episode). So every exchange is one connection: ``reset`` with the problem's seed, then one ``step`` per policy
@@ -35,6 +37,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -105,6 +108,7 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         self._server: subprocess.Popen[bytes] | None = None
         self._server_lock = threading.Lock()
         self._log: str | None = None
+        self._socket = ""  # the Unix socket of the server this environment runs
 
     conversational: ClassVar[bool] = True
 
@@ -114,53 +118,53 @@ class OpenEnvEnvironment(FixedSplits, Environment):
 
     # --- the server
 
-    @property
-    def url(self) -> str:
-        """The server's address (the one this environment started, started now if it is not running)."""
-        if self._url is not None:
-            return self._url
+    def _ensure_server(self) -> str:
+        """The Unix socket of the server this environment runs (started now if it is not running)."""
         with self._server_lock:
             if self._server is None or self._server.poll() is not None:
                 self._server = self._start()
-            return self._address
+            return self._socket
 
     def _start(self) -> subprocess.Popen[bytes]:
+        """The package's app under uvicorn, in the rubric worker's jail (read-only file system, no network, its own
+        PID namespace), serving on a Unix socket in a folder bound into the jail: the only way in or out."""
         from evertrain.processes import in_spawner, tied_to
+        from evertrain.sandbox.verifiers_worker import jail_argv
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self._address = f"http://127.0.0.1:{port}"
+        folder = tempfile.mkdtemp(prefix="evertrain-openenv-")
+        self._socket = os.path.join(folder, "server.sock")
         parent = os.getpid()
         if self._log:
             with contextlib.suppress(OSError):
                 os.unlink(self._log)
         with tempfile.NamedTemporaryFile(prefix="evertrain-openenv-", suffix=".log", delete=False) as log:
             self._log = log.name
-            argv = [sys.executable, "-m", "uvicorn", str(self.app), "--host", "127.0.0.1", "--port", str(port),
-                    "--log-level", "warning"]
+            argv = [*jail_argv([], writable=[folder]), sys.executable, "-s", "-m", "uvicorn", str(self.app),
+                    "--uds", self._socket, "--log-level", "warning"]
             # from the spawner thread: the parent-death signal fires when the starting THREAD ends
             server = in_spawner(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                         stderr=subprocess.STDOUT, preexec_fn=lambda: tied_to(parent)))
+                                                         stderr=subprocess.STDOUT, cwd="/tmp",
+                                                         preexec_fn=lambda: tied_to(parent)))
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 raise OpenEnvError(f"{self.name}: the server ({self.app}) exited with status {server.returncode}: "
                                    f"{self._log_tail()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                if self._healthy():
-                    return server
+            if self._healthy():
+                return server
             time.sleep(0.2)
         self._stop(server)
         raise OpenEnvError(f"{self.name}: the server ({self.app}) did not answer within {START_TIMEOUT_S:g} s: "
                            f"{self._log_tail()}")
 
     def _healthy(self) -> bool:
-        import urllib.request
-
+        """Whether the server answers ``GET /health`` on its socket."""
         try:
-            with urllib.request.urlopen(f"{self._address}/health", timeout=2) as answer:
-                return answer.status == 200
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(2)
+                probe.connect(self._socket)
+                probe.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                return probe.recv(64).startswith(b"HTTP/1.1 200")
         except OSError:
             return False
 
@@ -186,14 +190,20 @@ class OpenEnvEnvironment(FixedSplits, Environment):
                 with contextlib.suppress(OSError):
                     os.unlink(self._log)
                 self._log = None
+            if self._socket:
+                shutil.rmtree(os.path.dirname(self._socket), ignore_errors=True)
+                self._socket = ""
 
     # --- the protocol: one WebSocket session per exchange
 
     def _session(self) -> Any:
-        from websockets.sync.client import connect
+        from websockets.sync.client import connect, unix_connect
 
-        address = self.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/ws"
-        return connect(address, open_timeout=self.timeout_s, close_timeout=2, max_size=16 * 1024 * 1024)
+        limits = {"open_timeout": self.timeout_s, "close_timeout": 2, "max_size": 16 * 1024 * 1024}
+        if self._url is None:  # the server this environment runs, on its socket
+            return unix_connect(self._ensure_server(), "ws://localhost/ws", **limits)
+        address = self._url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/ws"
+        return connect(address, **limits)
 
     def _ask(self, ws: Any, message: dict[str, Any]) -> dict[str, Any]:
         ws.send(json.dumps(message))

@@ -61,9 +61,10 @@ class RubricError(RuntimeError):
 # The parent side
 
 
-def jail_argv(paths: list[str]) -> list[str]:
-    """The bubblewrap command line the worker runs under (see the module's docstring); [] where the sandbox is
-    off (``EVERTRAIN_UNSAFE_NO_SANDBOX=1``, tests of machines without bwrap)."""
+def jail_argv(paths: list[str], writable: list[str] | None = None) -> list[str]:
+    """The bubblewrap command line the worker runs under (see the module's docstring; ``paths`` visible read-only,
+    ``writable`` folders bound read-write, e.g. one holding a server's Unix socket); [] where the sandbox is off
+    (``EVERTRAIN_UNSAFE_NO_SANDBOX=1``, tests of machines without bwrap)."""
     from evertrain.sandbox.bwrap import _mounts, _unsafe, check_available, ro_bind_args
 
     if _unsafe():
@@ -76,6 +77,8 @@ def jail_argv(paths: list[str]) -> list[str]:
             "--setenv", "HF_HUB_OFFLINE", "1", "--setenv", "HF_DATASETS_OFFLINE", "1",
             *_mounts(), "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
             *ro_bind_args(sorted({str(Path(p).resolve()) for p in visible}))]
+    for folder in writable or []:
+        argv += ["--bind", folder, folder]
     if os.getuid() != 0:
         argv += ["--unshare-user", "--disable-userns"]
     return [*argv, "--chdir", "/tmp", "--"]
