@@ -83,7 +83,8 @@ from functools import cached_property
 from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
-from evertrain.envs.base import Environment, Problem
+from evertrain.envs.base import Environment, Problem, replies_of
+from evertrain.envs.declared import describe as describe_options
 
 if TYPE_CHECKING:
     from evertrain.config import CampaignConfig
@@ -351,6 +352,44 @@ class BandLadder(Ladder):
         return None  # the bands order training candidates; the held-out pool is the data set's own
 
 
+class DeclaredLadder(Ladder):
+    """The levels an environment package declares itself (``CURRICULUM``: :mod:`evertrain.envs.declared`), for the
+    adapters of other systems' formats: level ``k`` is the package's ``k``-th table of options over the configured
+    ones, its training problems from that level's training pool, its gate and broad problems from its held-out
+    pool (each problem names its level, so the configured environment grades it with that level's rules)."""
+
+    def __init__(self, env: Any, declared: list[dict[str, Any]]) -> None:
+        super().__init__(env)
+        self.declared = declared
+
+    @property
+    def levels(self) -> int:
+        return len(self.declared)
+
+    def describe(self, level: int) -> str:
+        return describe_options(self.declared[level])
+
+    def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
+        self.check(level)
+        pool = self.env.level_pool(level, "train")
+        return random.Random(f"declared-level:{level}:{seed}").sample(pool, min(n, len(pool)))
+
+    def gate(self, level: int, n: int, seed: int) -> list[Problem] | None:
+        self.check(level)
+        return self.env.level_pool(level, "eval")[:n]  # a stable order, as a fixed pool's held-out problems
+
+    def broad(self, level: int, n: int, seed: int) -> list[Problem]:
+        self.check(level)
+        pool = self.env.level_pool(level, "eval")  # the gate's share of it is left out where the set is drawn
+        return random.Random(f"declared-broad:{level}:{seed}").sample(pool, min(n, len(pool)))
+
+
+def _declared_or_bands(env: Environment) -> Ladder:
+    """An adapted environment's ladder: the levels its package declares, else pass-rate bands (a fixed pool)."""
+    levels = env.declared_levels  # type: ignore[attr-defined]
+    return DeclaredLadder(env, levels) if levels else BandLadder(env)
+
+
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -393,6 +432,8 @@ register_ladder("evertrain.envs.arithmetic:Arithmetic", ArithmeticLadder)
 register_ladder("evertrain.envs.calculator:Calculator", CalculatorLadder)
 register_ladder("evertrain.envs.terminal:Terminal", TerminalLadder)
 register_ladder("evertrain.envs.reasoning_gym:ReasoningGym", _reasoning_gym_ladder)
+register_ladder("evertrain.envs.verifiers_env:VerifiersEnvironment", _declared_or_bands)
+register_ladder("evertrain.envs.openenv_env:OpenEnvEnvironment", _declared_or_bands)
 
 
 def cached_ladder(env: Environment) -> Ladder | None:
@@ -420,10 +461,13 @@ class LevelDecision:
 def reference_turn_tokens(env: Environment, problem: Problem, count: Callable[[str], int]) -> int | None:
     """Tokens of the longest turn that ``problem``'s reference episode cannot do without, plus one for the end of
     the turn: each reference tool call as the policy writes it, and the last line of the final answer (what the
-    strict answer rule reads; a worked line before it is optional). None without a reference."""
+    strict answer rule reads; a worked line before it is optional); in a conversation with the environment, each
+    of the reference's replies. None without a reference."""
     final = env.reference(problem)
     if final is None:
         return None
+    if env.conversational:  # the reference is every reply of the episode, each one turn
+        return max((count(reply) + 1 for reply in replies_of(final)), default=None)
     calls = env.reference_calls(problem) if hasattr(env, "reference_calls") else []
     turns = [f"<{c.name}>\n{c.input}\n</{c.name}>" for c in calls] + [final.strip().splitlines()[-1] if final.strip()
                                                                         else final]

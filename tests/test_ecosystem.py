@@ -62,9 +62,6 @@ def test_the_held_out_seeds_are_apart_and_the_self_test_holds(count):
     assert min(p.payload["seed"] for p in held) > max(p.payload["seed"] for p in train)
     report = validate(count, problems=2)
     assert report.ok, report.failures
-    from evertrain.curriculum import BandLadder, ladder_for
-
-    assert isinstance(ladder_for(count), BandLadder)  # a curriculum of pass-rate bands, as for any fixed pool
     assert report.by_label()["good"]["cases"] >= 4  # the reference episodes played by the server's own state
 
 
@@ -83,7 +80,9 @@ def test_a_server_that_is_gone_costs_a_grader_error_and_bad_options_are_named():
 def test_a_campaign_iteration_on_three_formats_at_once(tmp_path, models_dir):
     """One iteration end to end: each environment's rollouts graded by its own rubric or server (the components in
     each row's detail), the multi-turn episodes with the environment's turns masked out of the update, every
-    held-out split in the gate, every self-test stored, and the OpenEnv server stopped with the context."""
+    held-out split in the gate, every self-test stored, and the OpenEnv server stopped with the context. The
+    curriculum is on: the packages that declare levels (vf-sums, openenv-count) train at their easiest, the
+    others by pass-rate bands, as a built-in fixed pool."""
     from evertrain.data.store import Store
     from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
@@ -92,7 +91,7 @@ def test_a_campaign_iteration_on_three_formats_at_once(tmp_path, models_dir):
         {"name": "verifiers:vf-sums", "weight": 1, "options": {"num_tasks": 60, "templated": True}},
         {"name": "verifiers:vf-guess", "weight": 1, "options": GUESS},
         {"name": "openenv:count", "weight": 1, "options": COUNT},
-        {"name": "digits", "weight": 1}])
+        {"name": "digits", "weight": 1}], curriculum={"enabled": True})
     before = {p.pid for p in _servers()}
     with Runtime.open(config) as rt:
         for stage in STAGES:
@@ -103,6 +102,17 @@ def test_a_campaign_iteration_on_three_formats_at_once(tmp_path, models_dir):
         rollouts = store.query("SELECT env, detail, turns, loss_mask FROM rollouts WHERE campaign = 'eco'")
         evaluations = store.query("SELECT DISTINCT env, split FROM evals WHERE campaign = 'eco'")
         validations = store.query("SELECT env, ok FROM env_validations")
+        levels = store.query("SELECT env, level, max_level FROM curriculum WHERE campaign = 'eco'")
+        problems = store.query("SELECT env, payload FROM problems WHERE campaign = 'eco' AND split = 'train'")
+    # the declared ladders start at their easiest level (max_level: the highest the turn limit leaves reachable),
+    # vf-guess at the bands' middle (as drawn), as a fixed pool
+    assert {(row.env, row.level) for row in levels.itertuples()} >= {
+        ("verifiers:vf-sums", 0), ("openenv:count", 0), ("verifiers:vf-guess", 1)}
+    assert levels.set_index("env").loc["openenv:count", "max_level"] == 2  # one-number replies fit every level
+    for env in ("verifiers:vf-sums", "openenv:count"):
+        payloads = [json.loads(p) for p in problems[problems["env"] == env]["payload"]]
+        assert payloads and all(p["level"] == 0 for p in payloads), env  # trained at the package's easiest level
+    assert all(len(json.loads(d)["steps"]) <= 1 for d in rollouts[rollouts["env"] == "openenv:count"]["detail"])
     graded_by = {"verifiers:vf-sums": lambda d: set(d["rewards"]) == {"correct"},
                  "verifiers:vf-guess": lambda d: set(d["rewards"]) == {"solved", "efficiency"},
                  "openenv:count": lambda d: "steps" in d and "return" in d}

@@ -47,6 +47,7 @@ import time
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
+from evertrain.envs import declared
 from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
 
 EVAL_SEED_BASE = 1_000_000
@@ -54,6 +55,7 @@ INTEGER = re.compile(r"-?[0-9]+")
 START_TIMEOUT_S = 90.0
 BUSY_TRIES = 8  # a server at its session limit is asked again, 0.05 s, 0.1 s ... apart
 ACTION_ERRORS = ("VALIDATION_ERROR", "EXECUTION_ERROR")  # a step refused for its action: the policy's own failure
+RESERVED_RESET = frozenset({"seed", "episode_id"})  # reset arguments the adapter sets itself
 
 
 class OpenEnvError(RuntimeError):
@@ -80,7 +82,8 @@ class OpenEnvEnvironment(FixedSplits, Environment):
                  eval_seeds: int = 100, observation_field: str = "message", action_field: str = "message",
                  action_type: Literal["text", "int"] = "text", max_turns: int = 6,
                  reward: Literal["strict", "score"] = "strict", success_reward: float = 1.0,
-                 oracle_field: str | None = None, system_prompt: str = "", timeout_s: float = 30.0) -> None:
+                 oracle_field: str | None = None, system_prompt: str = "", timeout_s: float = 30.0,
+                 reset_options: dict[str, Any] | None = None) -> None:
         where = f"openenv:{server}"
         if (app is None) == (url is None):
             raise ValueError(f"{where}: give exactly one of app (a module:attribute the adapter serves) and url")
@@ -98,6 +101,12 @@ class OpenEnvEnvironment(FixedSplits, Environment):
                              f"{timeout_s!r}")
         if train_seeds > EVAL_SEED_BASE:
             raise ValueError(f"{where}: train_seeds must be at most {EVAL_SEED_BASE} (held-out seeds start there)")
+        reset_options = {} if reset_options is None else reset_options
+        if not isinstance(reset_options, dict) or not all(isinstance(k, str) for k in reset_options) or \
+                set(reset_options) & RESERVED_RESET:
+            raise ValueError(f"{where}: reset_options must be a table of the server's reset arguments other than "
+                             f"{' and '.join(sorted(RESERVED_RESET))}, got {reset_options!r}")
+        self.reset_options = dict(reset_options)
         self.name = where  # type: ignore[misc]
         self.app, self._url = app, url.rstrip("/") if url else None
         self.train_seeds, self.eval_seeds = train_seeds, eval_seeds
@@ -109,6 +118,7 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         self._server_lock = threading.Lock()
         self._log: str | None = None
         self._socket = ""  # the Unix socket of the server this environment runs
+        self._levels: dict[int, dict[str, list[Problem]]] = {}  # each declared level's problems, once listed
 
     conversational: ClassVar[bool] = True
 
@@ -238,12 +248,12 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         except ValueError:  # more digits than Python converts (4,300): no action of any environment
             raise _Invalid("the reply's number is too long") from None
 
-    def _play(self, seed: int, replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
+    def _play(self, reset: dict[str, Any], replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
         """:meth:`_play_once`, tried again while the server is at its session limit (``max_concurrent_envs``):
         a busy server is not the policy's failure."""
         for attempt in range(BUSY_TRIES):
             try:
-                return self._play_once(seed, replies)
+                return self._play_once(reset, replies)
             except _Busy as busy:
                 if attempt == BUSY_TRIES - 1:
                     raise OpenEnvError(f"{self.name}: the server stayed at its session limit ({busy}); raise its "
@@ -251,12 +261,12 @@ class OpenEnvEnvironment(FixedSplits, Environment):
                 time.sleep(0.05 * 2 ** attempt)
         raise AssertionError("unreachable")
 
-    def _play_once(self, seed: int, replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
-        """Reset with ``seed`` and step once per reply (stopping at ``done``): (the first observation, the steps,
-        whether a reply was no action)."""
+    def _play_once(self, reset: dict[str, Any], replies: list[str]) -> tuple[str, list[dict[str, Any]], bool]:
+        """Reset with ``reset`` (the seed and the level's arguments: :meth:`_reset_data`) and step once per reply
+        (stopping at ``done``): (the first observation, the steps, whether a reply was no action)."""
         steps: list[dict[str, Any]] = []
         with self._session() as ws:
-            first = self._observation_text(self._ask(ws, {"type": "reset", "data": {"seed": seed}}))
+            first = self._observation_text(self._ask(ws, {"type": "reset", "data": reset}))
             invalid = False
             for reply in replies:
                 try:
@@ -277,14 +287,60 @@ class OpenEnvEnvironment(FixedSplits, Environment):
 
     @cached_property
     def _splits(self) -> dict[str, list[Problem]]:
+        return self._listing(None)
+
+    # --- the curriculum the package declares
+
+    @cached_property
+    def declared_levels(self) -> list[dict[str, Any]] | None:
+        """The curriculum the served package declares (``CURRICULUM`` in the app's module or its package, read
+        without importing it: each level's ``reset`` arguments over ``reset_options``;
+        :mod:`evertrain.envs.declared`), or None (always for a server given as ``url``: its code is not here)."""
+        if not self.app:
+            return None
+        module = self.app.split(":")[0]
+        modules = [module] + ([module.split(".")[0]] if "." in module else [])
+        levels = declared.declared_levels(modules, owner=self.name)
+        for options in levels or []:
+            if set(options) & RESERVED_RESET:
+                raise ValueError(f"{self.name}: a CURRICULUM level sets reset arguments other than "
+                                 f"{' and '.join(sorted(RESERVED_RESET))}, got {options!r}")
+        return levels
+
+    def level_pool(self, level: int, split: Split) -> list[Problem]:
+        """The training (``train``) or held-out (``eval``) problems of declared ``level`` (each names its level, so
+        its episodes are reset with that level's arguments)."""
+        levels = self.declared_levels or []
+        if not 0 <= level < len(levels):
+            raise ValueError(f"{self.name}: no curriculum level {level} (the package declares {len(levels)})")
+        if level not in self._levels:
+            self._levels[level] = self._listing(level)
+        return self._levels[level][split]
+
+    def _reset_data(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """What a problem's episodes are reset with: its seed, ``reset_options`` and its level's arguments."""
+        seed, level = payload.get("seed"), payload.get("level")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError("the problem names no seed")
+        extra: dict[str, Any] = {}
+        if level is not None:
+            levels = self.declared_levels or []
+            if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level < len(levels):
+                raise ValueError(f"the problem's level {level!r} is none of the {len(levels)} the package declares")
+            extra = levels[level]
+        return {**self.reset_options, **extra, "seed": seed}
+
+    def _listing(self, level: int | None) -> dict[str, list[Problem]]:
+        """Every seed's problem at ``level`` (None: as configured), split into train and held-out seeds."""
         splits: dict[str, list[Problem]] = {"train": [], "eval": []}
         plan: list[tuple[Split, range]] = [("eval", range(EVAL_SEED_BASE, EVAL_SEED_BASE + self.eval_seeds)),
                                            ("train", range(self.train_seeds))]
         with self._session() as ws:
             for split, seeds in plan:
                 for seed in seeds:
-                    prompt = self._observation_text(self._ask(ws, {"type": "reset", "data": {"seed": seed}}))
-                    payload: dict[str, Any] = {"seed": seed}
+                    payload: dict[str, Any] = {"seed": seed} if level is None else {"seed": seed, "level": level}
+                    prompt = self._observation_text(self._ask(ws, {"type": "reset",
+                                                                   "data": self._reset_data(payload)}))
                     if self.oracle_field:
                         state = self._ask(ws, {"type": "state"})
                         if self.oracle_field not in state:
@@ -312,7 +368,7 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         if len(replies) >= self.max_turns:
             return None
         try:
-            _, steps, invalid = self._play(int(problem.payload["seed"]), replies)
+            _, steps, invalid = self._play(self._reset_data(problem.payload), replies)
         except Exception:  # the server failed: the episode ends here, and its grade says why
             return None
         if invalid or not steps or steps[-1]["done"] or len(steps) < len(replies):
@@ -323,12 +379,13 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         return replies_text(turns)
 
     def verify(self, problem: Problem, completion: str) -> Verdict:
-        seed = problem.payload.get("seed")
-        if not isinstance(seed, int):
-            return Verdict.fail("grader_error", error="the problem names no seed")
+        try:
+            reset = self._reset_data(problem.payload)
+        except ValueError as error:
+            return Verdict.fail("grader_error", error=str(error))
         replies = replies_of(completion)[:self.max_turns]
         try:
-            _, steps, invalid = self._play(seed, replies)
+            _, steps, invalid = self._play(reset, replies)
         except Exception as error:  # the server failed: this rollout's grader error
             return Verdict.fail("grader_error", error=f"{type(error).__name__}: {error}"[:500])
         total = sum(step["reward"] for step in steps)
@@ -348,7 +405,7 @@ class OpenEnvEnvironment(FixedSplits, Environment):
             return None
         replies: list[str] = []
         with self._session() as ws:
-            self._ask(ws, {"type": "reset", "data": {"seed": int(problem.payload["seed"])}})
+            self._ask(ws, {"type": "reset", "data": self._reset_data(problem.payload)})
             for _ in range(self.max_turns):
                 expected = self._ask(ws, {"type": "state"}).get(self.oracle_field)
                 replies.append(str(expected))

@@ -38,6 +38,7 @@ import threading
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
+from evertrain.envs import declared
 from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
 
 PREFIX = "verifiers:"
@@ -89,6 +90,11 @@ class VerifiersEnvironment(FixedSplits, Environment):
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"verifiers:{taskset}: max_turns must be a whole number of at least 1, got {max_turns!r}")
         self.turn_limit = max_turns
+        # evertrain's own options, as a level's environment (the same taskset, other fields) is built with them
+        self._own: dict[str, Any] = {"eval_share": eval_share, "reward": reward, "answer_field": answer_field,
+                                     "answer_format": answer_format, "accept": list(accept), "templated": templated,
+                                     "timeout_s": timeout_s, "memory_mb": memory_mb, "max_turns": max_turns}
+        self._levels: dict[int, VerifiersEnvironment] = {}
 
     # a package that brings its own vf.Env (its run speaks between the policy's turns) is multi-turn: known once
     # its tasks are listed (the worker loads the package)
@@ -120,7 +126,9 @@ class VerifiersEnvironment(FixedSplits, Environment):
 
     def close(self) -> None:
         """Stop the rubric worker once no other environment of this taskset and config uses it (a later grade
-        starts it again)."""
+        starts it again), and those of the levels built from this environment."""
+        for level in self._levels.values():
+            level.close()
         key = (self.taskset, json.dumps(self.knobs, sort_keys=True), self.path)
         with _WORKERS_LOCK:
             if key not in _WORKERS:
@@ -173,6 +181,47 @@ class VerifiersEnvironment(FixedSplits, Environment):
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [dict(m) for m in problem.payload["messages"]]
 
+    # --- the curriculum the package declares
+
+    @cached_property
+    def declared_levels(self) -> list[dict[str, Any]] | None:
+        """The curriculum the taskset's package declares (``CURRICULUM`` in its module, read without importing it:
+        each level's taskset fields over the configured ones; :mod:`evertrain.envs.declared`), or None."""
+        levels = declared.declared_levels([self.taskset.replace("-", "_")], self.path, owner=self.name)
+        for options in levels or []:
+            if set(options) & set(OWN_OPTIONS):
+                raise ValueError(f"{self.name}: a CURRICULUM level sets fields of the taskset only, not "
+                                 f"evertrain's own options ({', '.join(sorted(set(options) & set(OWN_OPTIONS)))})")
+        return levels
+
+    def at_level(self, level: int) -> VerifiersEnvironment:
+        """The taskset at declared ``level``: its fields over the configured ones, its own tasks and rubric worker."""
+        levels = self.declared_levels or []
+        if not 0 <= level < len(levels):
+            raise ValueError(f"{self.name}: no curriculum level {level} (the package declares {len(levels)})")
+        if level not in self._levels:
+            self._levels[level] = VerifiersEnvironment(self.taskset, path=self.path, **self._own,
+                                                       **{**self.knobs, **levels[level]})
+        return self._levels[level]
+
+    def level_pool(self, level: int, split: Split) -> list[Problem]:
+        """The training (``train``) or held-out (``eval``) problems of declared ``level``, as this environment's:
+        each names its level, so this environment grades it with that level's tasks."""
+        pool = []
+        for problem in self.at_level(level)._splits[split]:
+            payload = {**problem.payload, "level": level}
+            made = Problem.make(self.name, problem.prompt, payload)
+            pool.append(Problem(self.name, made.id, problem.prompt, payload, split))
+        return pool
+
+    def _at(self, problem: Problem) -> VerifiersEnvironment:
+        level = problem.payload.get("level")
+        if level is None:
+            return self
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise ValueError(f"{self.name}: a problem's level must be a whole number, got {level!r}")
+        return self.at_level(level)
+
     def reply(self, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
         """The package's environment, replayed with the policy's replies so far: what it says next (None: over)."""
         replies = [str(t.get("content", "")) for t in turns if t.get("role") == "assistant"]
@@ -197,7 +246,11 @@ class VerifiersEnvironment(FixedSplits, Environment):
         key = problem.payload.get("key")
         if not isinstance(key, str):
             return {"ok": False, "error": "the problem names no task of the taskset"}
-        return self.worker.request({**request, "key": key, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb},
+        try:
+            worker = self._at(problem).worker  # a level's problem: that level's tasks
+        except ValueError as error:
+            return {"ok": False, "error": str(error)}
+        return worker.request({**request, "key": key, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb},
                                    timeout_s=self.timeout_s + 2.0)
 
     def verify(self, problem: Problem, completion: str) -> Verdict:

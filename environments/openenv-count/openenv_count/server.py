@@ -27,6 +27,7 @@ class CountState(State):  # episode_id and step_count come from State
     total: int = 0
     expected: int = 0
     operations: list[int] = Field(default_factory=list)
+    steps: int = STEPS
 
 
 def _say(operand: int) -> str:
@@ -40,24 +41,27 @@ class CountEnvironment(Environment[CountAction, CountObservation, CountState]):
         super().__init__()
         self._state = CountState()
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> CountObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None, steps: int = STEPS,
+              **kwargs: Any) -> CountObservation:
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 20:
+            raise ValueError(f"steps must be a whole number from 1 to 20, got {steps!r}")
         rng = random.Random(seed)
         start = rng.randint(1, 12)
-        operations = [rng.choice([-1, 1]) * rng.randint(1, 5) for _ in range(STEPS)]
+        operations = [rng.choice([-1, 1]) * rng.randint(1, 5) for _ in range(steps)]
         self._state = CountState(episode_id=episode_id or str(uuid.uuid4()), step_count=0, total=start,
-                                 expected=start + operations[0], operations=operations)
+                                 expected=start + operations[0], operations=operations, steps=steps)
         return CountObservation(message=f"Start at {start}. {_say(operations[0])} {ASK}", done=False, reward=0.0)
 
     def step(self, action: CountAction, timeout_s: float | None = None, **kwargs: Any) -> CountObservation:
         state = self._state
-        if state.step_count >= STEPS:
+        if state.step_count >= state.steps:
             return CountObservation(message="The episode is over.", done=True, reward=0.0)
         if action.answer != state.expected:
-            state.step_count = STEPS
+            state.step_count = state.steps
             return CountObservation(message=f"Wrong: the total was {state.expected}.", done=True, reward=0.0)
         state.step_count += 1
         state.total = state.expected
-        if state.step_count == STEPS:
+        if state.step_count == state.steps:
             return CountObservation(message=f"Right: {state.total}. Done.", done=True, reward=1.0)
         operand = state.operations[state.step_count]
         state.expected = state.total + operand

@@ -8,5 +8,14 @@ evertrain (``name = "verifiers:vf-sums"``).
 
 from vf_sums.taskset import SumsConfig, SumsData, SumsTask, SumsTaskset
 
+# the package's own curriculum, easiest first: each level's SumsConfig fields over the configured ones (a literal,
+# so a trainer can read it without running this package's code: evertrain's verifiers adapter does)
+CURRICULUM = [
+    {"terms": 2, "digits": 1},
+    {"terms": 3, "digits": 1},
+    {"terms": 2, "digits": 2},
+    {"terms": 3, "digits": 2},
+]
+
 __all__ = ["SumsTaskset"]  # verifiers finds the taskset class through __all__
 _ = (SumsConfig, SumsData, SumsTask)
