@@ -26,6 +26,10 @@
   ``done`` with a return of at least ``success_reward`` (1.0), else 0; ``"score"``: the return over
   ``success_reward``, in [0, 1]. Every step (action, observation, reward, done) is kept in the verdict's detail
   (the rollout's ``detail`` column).
+- **Levels**: ``reset_options`` are arguments of ``reset`` sent with every episode (beside the seed); a package may
+  declare its curriculum, a literal ``CURRICULUM`` list of such tables in the app's module or package
+  (:mod:`evertrain.envs.declared`), and a problem of level k (``payload["level"]``) is reset with the k-th table over
+  ``reset_options``.
 - **The self-test**: with ``oracle_field`` (a field of the server's ``state`` holding the action the environment
   expects next), the reference episode plays it step by step and must earn 1; every episode of the generic
   battery (one wrong, empty or hedged reply) must earn 0.

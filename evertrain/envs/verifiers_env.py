@@ -21,6 +21,9 @@ one ``vf.Taskset``); every option that is not evertrain's own (below) is a field
   its first iteration) writes answers in the taskset's format (``answer_format``) from the task's
   ``answer_field`` and checks that hedges, the question echoed, wrong and empty answers earn 0. A rubric that
   pays one is refused for training, unless the config accepts that probe by name (``accept = ["hedge"]``).
+- **Levels**: a package may declare its curriculum, a literal ``CURRICULUM`` list of taskset field tables in its
+  module (:mod:`evertrain.envs.declared`); level k is the taskset with the k-th table over the configured fields,
+  its own tasks and rubric worker, and each of its problems names its level (``payload["level"]``).
 
 evertrain's own options: ``path`` (a folder put first on the import path, for a package not installed),
 ``eval_share`` (0.2), ``reward`` ("strict"), ``answer_field`` ("answer"), ``answer_format`` ("boxed", "hashes"
