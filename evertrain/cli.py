@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
+
+from evertrain import interrupts, processes
+from evertrain.envs import registry
+from evertrain.progress import progress
+from evertrain.quiet import quiet_libraries, quiet_prefect_console
+from evertrain.scoring import score_lines
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _environment() -> None:
     os.environ.setdefault("PREFECT_HOME", str(PROJECT_ROOT / ".prefect"))
-    from evertrain.quiet import quiet_libraries
-
     quiet_libraries()
 
 
 def _config(args: argparse.Namespace, stored: bool = False) -> Any:
     """The campaign config: --config if given, else the one stored for --campaign, else the defaults (with
     ``stored``, a campaign without a stored config is refused instead: the command needs a campaign that ran)."""
+    # late: pydantic; `evertrain --help` loads no third-party library
     from evertrain.config import PathsConfig, apply_setting, load_config, parse_config
 
     overrides = {"name": getattr(args, "campaign", None)}
@@ -42,6 +50,8 @@ def _config(args: argparse.Namespace, stored: bool = False) -> Any:
 
 
 def _stored_config(campaign: str, store_path: str | None) -> dict[str, Any] | None:
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store, StoreLocation
 
@@ -69,6 +79,7 @@ STAGE_NEEDS = {stage: tuple(s for s in STAGE_ORDER[:i] if s != "sft") for i, sta
 
 def _open_for_reading(uri: str, campaign: str) -> Any:
     """The store at ``uri``, read-only; a store that does not exist yet is bad input (nothing is created)."""
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.data.store import Store, StoreLocation
 
     if not StoreLocation.parse(uri).exists():
@@ -128,9 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.verbose:
         os.environ["EVERTRAIN_VERBOSE"] = "1"
     else:  # the per-iteration lines and progress bars, not Prefect's INFO lines between them
-        from evertrain.quiet import quiet_prefect_console
-
         quiet_prefect_console()
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.data.lineage import iteration_report
     from evertrain.flows.campaign import run_campaign_flow
     from evertrain.report import render_table
@@ -143,6 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # opened before the flow run, so a campaign another process runs is refused without a failed flow run; held
     # by the flow (the same flow, name and parameters as a deployment's) and closed when it ends, however it ends;
     # the report is read through the same connection before it closes
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.data.lineage import champion_vs_base, last_refusal
     from evertrain.report import format_refusal, format_versus, share_line
 
@@ -151,11 +163,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # at once and left that server running without its parent)
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)  # a second Ctrl-C stops at once, as a second SIGTERM does
-    from evertrain import interrupts
-
     # and recorded below Python's handlers too: a KeyboardInterrupt raised inside a finalizer is dropped by Python,
     # so the stages also stop at their next boundary or progress step once a stop signal has come
     interrupts.watch()
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.flows.deploy import start_temporary_server
 
     # without PREFECT_API_URL: Prefect's temporary server, started here and tied to this process (it dies with
@@ -177,12 +188,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_stage(args: argparse.Namespace) -> int:
     config = _config(args, stored=True)
     require_stage_inputs(config.paths.store, config.name, args.iteration, args.stage)
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.runtime import Runtime
     from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 
     with Runtime.open(config) as rt:
         before = rt.store.counts()
         if args.stage == "sft":  # the optional stage (sft.enabled) is not one of the six
+            # late: torch, Prefect (the training stack); --help and a bad config must not import them
             from evertrain.tasks.sft import sft as function
         else:
             function = STAGE_FUNCTIONS[args.stage]
@@ -235,8 +248,6 @@ def read_score_input(path: Path, max_line_bytes: int = MAX_SCORE_LINE_BYTES) -> 
 def score_entries(entries: list[tuple[str, str | None]], workers: int | None = None, progress: Any = None,
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One result per entry of :func:`read_score_input`, in order, and the sandbox audit rows."""
-    from evertrain.scoring import score_lines
-
     texts = [text for text, error in entries if error is None]
     scored, audit = score_lines(texts, workers=workers, progress=progress)
     if len(scored) != len(texts):
@@ -266,13 +277,12 @@ def _result_line(result: dict[str, Any]) -> str:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from evertrain.progress import progress
-
     source = Path(args.input)
     if not source.is_file():
         print(f"evertrain: error: input file {source} does not exist", file=sys.stderr)
         return 2
     if args.store:
+        # late: duckdb, pandas (the store); --help and a bad config do not load them
         from evertrain.data.store import StoreError, StoreLocation
 
         try:
@@ -298,6 +308,8 @@ def _write_audit(audit: list[dict[str, Any]], store_path: str | None, output: Pa
     """Sandbox audit rows go to the store's sandbox_runs table, or next to the output if it is busy."""
     if not audit:
         return ""
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store, StoreError
 
@@ -339,8 +351,6 @@ def _env_row(name: str, validate_problems: int, cases: bool, options: dict[str, 
              ) -> dict[str, Any]:
     """One row of `evertrain envs`: what ``name`` is (built with ``options``) and, with ``validate_problems``, its
     self-test. Top-level (and importing what it needs) so that a process of a pool can run it."""
-    from evertrain.envs import registry
-
     try:
         env = registry.get(name, **(options or {}))
     except (TypeError, ValueError) as error:
@@ -360,6 +370,7 @@ def _env_row(name: str, validate_problems: int, cases: bool, options: dict[str, 
 
 
 def _described(env: Any, name: str, validate_problems: int, cases: bool) -> dict[str, Any]:
+    # late: psutil and the sandbox; --help does not load them
     from evertrain.envs.quality import probe, validate
 
     try:
@@ -408,6 +419,7 @@ def _env_rows(names: list[str], args: argparse.Namespace,
         for name in names:
             said(_env_row(name, args.validate, args.cases, options.get(name)))
     else:
+        # late: multiprocessing and its pool (~20 ms), only a validation on several processes uses them
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -420,11 +432,10 @@ def _env_rows(names: list[str], args: argparse.Namespace,
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
-    from evertrain.envs import registry
-
     names = registry.names(include_rg=True)
     options: dict[str, dict[str, Any]] = {}
     if args.config:  # the campaign's environments, with the options it builds them with
+        # late: pydantic; `evertrain --help` loads no third-party library
         from evertrain.config import load_config
 
         specs = load_config(Path(args.config)).environments
@@ -441,6 +452,7 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     if args.json:
         args.rows = rows  # printed by cmd_envs, once stdout is stdout again
         return 1 if failed else 0
+    # late: third-party; `evertrain --help` loads no third-party library
     from rich.console import Console
     from rich.table import Table
 
@@ -455,6 +467,8 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.config import PathsConfig
     from evertrain.data.lineage import champion_vs_base, iteration_report
     from evertrain.report import format_versus, render_table, share_line
@@ -468,21 +482,26 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise
     rows = iteration_report(store, args.campaign)
     summary = champion_vs_base(store, args.campaign)
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.data.lineage import last_refusal
     from evertrain.report import agent_metrics, format_agent, format_mix, format_refusal, mix_over_iterations
 
     mix, agent = mix_over_iterations(store, args.campaign), agent_metrics(store, args.campaign)
     refusal = last_refusal(store, args.campaign)
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.data.lineage import live_pass_rate
     from evertrain.report import format_live
 
     live = live_pass_rate(store, args.campaign)
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.data.lineage import live_pass_rate_over_time
 
     live_series = live_pass_rate_over_time(store, args.campaign) if args.html else []
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.data.lineage import sealed_curve
 
     sealed = sealed_curve(store, args.campaign) if args.html else []
+    # late: duckdb, pandas (the store); the curriculum (dataclasses, logging: ~25 ms); --help loads none of them
     from evertrain.curriculum import format_levels, levels_over_iterations
     from evertrain.data.lineage import diversity
     from evertrain.report import format_diversity, format_frontier, format_gate_power, gate_power
@@ -493,6 +512,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not rows:
         raise UsageError(f"campaign {args.campaign!r} has no iterations in {store.location.describe()}")
     if args.html:
+        # late: numpy, scipy, matplotlib (the figures); --help does not load them
         from evertrain.plots import html_report
 
         sections = [
@@ -528,8 +548,11 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
     Read-only for real: one SELECT at a time, on a connection that can read nothing but the store's own files
     and change no setting (Store.read_sql); anything else is refused with exit status 2."""
+    # late: third-party; `evertrain --help` loads no third-party library
     import duckdb
 
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store, StoreError
 
@@ -546,6 +569,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     elif args.format == "json":
         print(frame.to_json(orient="records", date_format="iso", indent=2))
     else:
+        # late: third-party; `evertrain --help` loads no third-party library
         import pandas as pd
 
         with pd.option_context("display.max_rows", args.max_rows, "display.max_columns", None,
@@ -557,8 +581,12 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     """The endpoint's API keys: create (the secret printed once), list, revoke; each create and revoke audited."""
+    # late: third-party; `evertrain --help` loads no third-party library
     import duckdb
 
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
+    # late: the store and FastAPI (the endpoint); --help does not load them
     from evertrain.config import PathsConfig
     from evertrain.data.store import Store
     from evertrain.serving.auth import create_key, revoke_key
@@ -593,6 +621,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_services(args: argparse.Namespace) -> int:
+    # late: services loads urllib.request (http.client, ssl: ~20 ms); --help does not
     from evertrain import services
 
     if args.action == "start":
@@ -612,6 +641,8 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.config import load_config
     from evertrain.flows.deploy import deploy
 
@@ -629,6 +660,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # late: pydantic; `evertrain --help` loads no third-party library
     from evertrain.config import load_config
 
     configs = [load_config(path).resolved() for path in args.config]
@@ -637,12 +669,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = None
     if not os.environ.get("PREFECT_API_URL"):
         # scheduled runs need a real server (Prefect's temporary one runs no scheduler)
+        # late: torch, Prefect (the training stack); --help and a bad config must not import them
         from evertrain.flows.deploy import start_server
 
         url, server = start_server(args.port, scheduler_seconds=min(10.0, args.interval or 10.0))
         _SERVERS.append(server)
         os.environ["PREFECT_API_URL"] = url
         print(f"started a Prefect server: UI at {url.removesuffix('/api')}", file=sys.stderr)
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.flows.deploy import serve
 
     names = ", ".join(c.name for c in configs)
@@ -657,6 +691,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(configs, interval=args.interval, cron=args.cron, iterations_per_run=args.iterations_per_run)
     finally:
         if server is not None:
+            # late: torch, Prefect (the training stack); --help and a bad config must not import them
             from evertrain.flows.deploy import stop_server
 
             stop_server(server)
@@ -675,17 +710,14 @@ def _interrupt(signum: int, frame: Any) -> None:
     if _SIGNALLED:
         try:
             os.write(2, f"evertrain: a second stop signal ({signal.Signals(signum).name}): stopping now\n".encode())
+            # late: torch, Prefect (the training stack); --help and a bad config must not import them
             from evertrain.flows.deploy import stop_temporary_server
 
             stop_temporary_server()
-            from evertrain import processes
-
             processes.stop(_SERVERS, timeout=5)  # a Prefect server `evertrain serve` started
         finally:
             os._exit(130)
     _SIGNALLED.append(signum)
-    from evertrain import interrupts
-
     interrupts.record(signum)
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -707,8 +739,6 @@ def _interrupted(error: BaseException) -> bool:
     on to the handler before it only when its own signal reaches it, never sees it (two fresh-clone CI runs, stops
     38 and 40: `evertrain run` exited 1). So a signal type anywhere in the chain counts, and so does any error
     after :func:`_interrupt` has run."""
-    from evertrain import interrupts
-
     if _SIGNALLED or interrupts.requested():
         return True
     signals = _signal_types()
@@ -725,6 +755,7 @@ def _interrupted(error: BaseException) -> bool:
 def cmd_rollback(args: argparse.Namespace) -> int:
     config = _config(args, stored=True)
     require_campaign(config.paths.store, config.name)
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.runtime import Runtime
     from evertrain.tasks.promote import rollback
 
@@ -752,6 +783,7 @@ def prefect_ui_env(host: str, port: int) -> dict[str, str]:
 def cmd_export(args: argparse.Namespace) -> int:
     config = _config(args, stored=True)
     require_campaign(config.paths.store, config.name)
+    # late: torch, Prefect (the training stack); --help and a bad config must not import them
     from evertrain.export import export
     from evertrain.runtime import Runtime
 
@@ -767,6 +799,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    # late: pydantic; `evertrain --help` loads no third-party library
+    # late: duckdb, pandas (the store); --help and a bad config do not load them
     from evertrain.config import PathsConfig
     from evertrain.data.lineage import sample_rollouts
     from evertrain.report import render_rollouts
@@ -790,12 +824,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    import functools
-    import signal
-    import subprocess
-    import time
-
-    from evertrain import processes, services
+    # late: pydantic (config); urllib.request (services); `evertrain --help` loads neither
+    from evertrain import services
     from evertrain.config import load_config
 
     paths = load_config(None).paths  # the defaults, anchored to the project home
@@ -1020,6 +1050,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _answer(args: argparse.Namespace, approve: bool) -> int:
+    # late: Prefect (the approval form); --help does not load it
     from evertrain.approval import ApprovalError, answer, approval_page, waiting
 
     try:
@@ -1057,6 +1088,7 @@ def cmd_reject(args: argparse.Namespace) -> int:
 def cmd_endpoint(args: argparse.Namespace) -> int:
     config = _config(args, stored=True)
     require_campaign(config.paths.store, config.name)
+    # late: the store and FastAPI (the endpoint); --help does not load them
     from evertrain.serving.app import serve
 
     serve(config, host=args.host, port=args.port)
@@ -1092,6 +1124,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.func in (cmd_sql, cmd_keys):  # quick, from another shell: no torch, transformers or Prefect imports
+        # late: pydantic; `evertrain --help` loads no third-party library
+        # late: duckdb, pandas (the store); --help and a bad config do not load them
+        # late: the store and FastAPI (the endpoint); --help does not load them
         from evertrain.config import ConfigError
         from evertrain.data.store import StoreError
         from evertrain.serving.auth import KeySpecError

@@ -7,6 +7,7 @@ name before anything is written.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evertrain.data.queries import DEFAULT_SFT_SELECT
+from evertrain.envs import registry
 
 EMBEDDED_MODELS = ("embedded:smollm2-135m-instruct", "embedded:tiny")
 
@@ -647,8 +649,6 @@ class ServingConfig(_Strict):
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or 'localhost') is reachable only from this machine ('0.0.0.0' is not)."""
-    import ipaddress
-
     if host.strip().lower().rstrip(".") == "localhost":
         return True
     try:
@@ -757,8 +757,6 @@ class CampaignConfig(_Strict):
     @field_validator("environments")
     @classmethod
     def _envs_known(cls, specs: list[EnvironmentSpec]) -> list[EnvironmentSpec]:
-        from evertrain.envs import registry
-
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"an environment is listed twice: {names}")
@@ -810,6 +808,7 @@ class CampaignConfig(_Strict):
         data = self.model_dump()
         for key, value in data["paths"].items():
             if key == "store":
+                # late: duckdb, pandas (the store); config validation, the CLI's bad-config path, stays light
                 from evertrain.data.store import resolve_uri
 
                 data["paths"][key] = resolve_uri(value, base)

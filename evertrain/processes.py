@@ -10,6 +10,7 @@ orphaned, and a child that has already exited costs no waiting.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import signal
@@ -92,8 +93,6 @@ def tied_to(parent: int) -> None:
     """``preexec_fn`` of a helper server: SIGTERM it when ``parent`` dies, however it dies (Linux's
     PR_SET_PDEATHSIG; SIGKILL included), and give it a session of its own, so the terminal's Ctrl-C (sent to the
     whole foreground group) reaches the run, which stops in order, and not the server it still reports to."""
-    import ctypes
-
     os.setsid()
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

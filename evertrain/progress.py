@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from evertrain import interrupts
+
 
 class _Bar:
     """A tqdm bar whose every step is also a place where a recorded stop signal stops the run
@@ -18,8 +20,6 @@ class _Bar:
         self._bar = bar
 
     def update(self, n: float = 1) -> Any:
-        from evertrain import interrupts
-
         interrupts.check()
         return self._bar.update(n)
 
@@ -36,6 +36,7 @@ class _Bar:
 
 def progress(total: int, desc: str, unit: str = "it") -> Any:
     """A progress bar on stderr (off when EVERTRAIN_PROGRESS=0)."""
+    # late: tqdm; the CLI imports this module at its top and `evertrain --help` loads no third-party library
     from tqdm.auto import tqdm
 
     disable = os.environ.get("EVERTRAIN_PROGRESS", "1") == "0"

@@ -6,7 +6,9 @@ and a Ray rollout worker (evertrain.cluster, which the context opens) both call 
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 
 def quiet_libraries() -> None:
@@ -20,11 +22,10 @@ def quiet_libraries() -> None:
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }.items():
         os.environ.setdefault(key, value)
-    import warnings
-
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
+        # late: transformers (heavy) reads the settings above (HF_HUB_OFFLINE ...) when imported
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
@@ -40,9 +41,8 @@ def quiet_prefect_console(level: str = "WARNING") -> None:
     Prefect's override ``PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL`` (a value the caller set is kept). Prefect sets its
     logging up again after import (a plain `evertrain run` showed every flow run's INFO lines when only the handlers
     of the moment were quieted)."""
-    import logging
-
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
+    # late: Prefect reads PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL (set above) when imported
     import prefect  # noqa: F401 - its logging set-up runs on import
     from prefect.logging.handlers import PrefectConsoleHandler
 

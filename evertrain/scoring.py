@@ -6,12 +6,15 @@ cores keeps every core busy; in-process verifiers (math) are cheap and run on th
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem, Verdict
 
 # Completions longer than this are refused before any verifier reads them: every in-process grading step
@@ -74,10 +77,6 @@ def score_lines(lines: list[str], workers: int | None = None, progress: Any = No
 
     A malformed line gets an error result of its own and the rest are still scored.
     """
-    import json
-
-    from evertrain.envs import registry
-
     results: list[dict[str, Any] | None] = [None] * len(lines)
     envs: dict[str, Environment] = {}
     todo: list[tuple[int, str, Environment, Problem, str]] = []
@@ -120,8 +119,6 @@ def score_lines(lines: list[str], workers: int | None = None, progress: Any = No
 def without_lone_surrogates(value: Any) -> Any:
     """``value`` (parsed JSON) with every lone surrogate in its strings replaced by U+FFFD, as a UTF-8
     decoder would: JSON may escape one (``"\\ud800"``), no grader can encode it. Iterative: no depth limit."""
-    import re
-
     surrogate = re.compile("[\ud800-\udfff]")
 
     def clean(text: str) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from evertrain import processes
+from evertrain.data.databases import create_postgres_databases
 
 PG_BIN = Path(os.environ.get("EVERTRAIN_PG_BIN", "/usr/lib/postgresql/15/bin"))
 DATABASES = ("prefect", "mlflow", "evertrain")
@@ -83,8 +84,6 @@ def start_postgres(root: Path, host: str = "127.0.0.1", port: int | None = None)
     _run([*_as_postgres(), str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "120",
           "-o", f"-p {port} -k {data} -c listen_addresses={host} -c max_connections=200", "start"],
          f"PostgreSQL (log {log})")
-    from evertrain.data.databases import create_postgres_databases
-
     create_postgres_databases(host, port, DATABASES)
     return {"data": str(data), "host": host, "port": port, "log": str(log)}
 

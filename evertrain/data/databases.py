@@ -41,6 +41,7 @@ def rebase_mlflow_locations(db_file: Path, old: str, new: str) -> int:
 
 def create_postgres_databases(host: str, port: int, names: tuple[str, ...] | list[str]) -> None:
     """Create each database of ``names`` the PostgreSQL server at ``host:port`` lacks (as user postgres)."""
+    # late: psycopg2, for a PostgreSQL store only; the CLI imports this module through services
     import psycopg2
 
     con = psycopg2.connect(host=host, port=port, user="postgres", dbname="postgres")

@@ -127,8 +127,6 @@ def iteration_report(store: Store, campaign: str) -> list[dict[str, Any]]:
 def sealed_curve(store: Store, campaign: str) -> list[dict[str, Any]]:
     """Greedy pass@1 of the base model and of each champion on the sealed splits, with its 95% Wilson
     interval: version, split, iteration (the one whose promotion measured it), problems, pass1, low, high."""
-    from evertrain.stats import wilson
-
     rows = []
     for row in store.sealed_pass_counts(campaign).to_dict("records"):
         problems, passed = int(row["problems"]), int(row["passed"] or 0)

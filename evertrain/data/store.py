@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import duckdb_ext  # type: ignore[import-not-found]  # namespace package of the duckdb-ext-* wheels
 import pandas as pd
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_incrementing
 
@@ -82,8 +83,6 @@ def to_json(value: Any) -> str:
 
 def extension_dir() -> Path:
     """Where the DuckDB extension wheels (duckdb-ext-ducklake, -sqlite, -postgres) put their files."""
-    import duckdb_ext  # type: ignore[import-not-found]  # namespace package of the duckdb-ext-* wheels
-
     base = Path(next(iter(duckdb_ext.__path__)))
     return base / "extensions" / f"v{duckdb.__version__}" / "linux_amd64"
 
@@ -646,6 +645,7 @@ class Store(Queries):
             handle.write(str(os.getpid()))
             handle.flush()
         else:
+            # late: psycopg2, for a PostgreSQL store only
             import psycopg2
 
             handle = psycopg2.connect(self.location.target)

@@ -25,6 +25,7 @@ How a completion is graded (:func:`grade_code`), and why:
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import hashlib
 import json
@@ -141,8 +142,6 @@ def _referenced_names(sources: tuple[str, ...]) -> frozenset[str]:
 
 def _called_names(payload: dict[str, Any]) -> list[str]:
     """Names the tests call (``f`` in ``assert f(2) == 4``), found with ast; builtins left out."""
-    import builtins
-
     names: set[str] = set()
     for test in payload.get("tests", []):
         with contextlib.suppress(SyntaxError, ValueError):

@@ -82,6 +82,7 @@ import secrets
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal, localcontext
 from fractions import Fraction
 from functools import cache, cached_property
 from importlib import metadata as importlib_metadata
@@ -89,7 +90,14 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from evertrain.envs.answers import MAX_DIGITS, extract_final_answer, number_hazard
+from evertrain.envs.answers import (
+    MAX_DIGITS,
+    canonical_number,
+    extract_final_answer,
+    normalize_numeric_text,
+    number_hazard,
+    parse_number,
+)
 from evertrain.envs.base import Environment, Problem, Split, Verdict, problem_id
 from evertrain.sandbox import Limits, SandboxRunRecord, run_python
 
@@ -256,8 +264,6 @@ _FIX_CHECKS: dict[str, Callable[[str, dict[str, Any]], bool]] = {
 
 def _exact_number(answer: str, entry: dict[str, Any]) -> bool:
     """The answer is the oracle's number exactly (decimals and fractions compared as fractions)."""
-    from evertrain.envs.answers import parse_number
-
     # the one number reader on the whole answer: '2,45' is no number (deleting its comma made it 245)
     value, oracle = parse_number(answer), parse_number(str(entry["answer"]))
     return value is not None and value == oracle
@@ -535,6 +541,8 @@ def sokoban_legal(answer: str, entry: dict[str, Any]) -> bool:
     """Every move of ``answer`` (L, R, U, D; blanks between them allowed) is one the player can make where it
     is made (not into a wall, not a box that cannot move), at most MOVE_SLACK times the oracle's length plus
     MOVE_EXTRA, and the boxes end on the goals; simulated with reasoning-gym's own game (plain data only)."""
+    # late: with reasoning_gym's sokoban, for this one generator's check
+    # late: reasoning_gym (~1 s: every generator registers on import); listing names and config validation do without it
     import numpy as np
     from reasoning_gym.games.contrib.sokoban.src.game import Game
     from reasoning_gym.games.contrib.sokoban.src.utils import is_solved
@@ -590,8 +598,6 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0
 def stated_unit(question: str, oracle_number: str) -> Fraction:
     """One unit of the last digit the question asks for (its significant digits or decimal places), or,
     where it states none, of the last digit the oracle number is written with."""
-    from decimal import Decimal
-
     oracle = Decimal(oracle_number)
     if match := _SIGNIFICANT.search(question):
         leading = oracle.adjusted() if oracle else 0
@@ -606,8 +612,6 @@ def _numbers(text: str, read: str, limit: int = 10_000) -> list[tuple[str, Fract
     """The numbers of ``text`` read by the one number reader: ``read == "one"``: the whole text is one number;
     ``"list"``: every number of a list or grid, each a whole token (a sign, point or suffix stuck to it is part
     of it, so '1.5kg' or '-+3' is no number)."""
-    from evertrain.envs.answers import canonical_number, normalize_numeric_text
-
     text = normalize_numeric_text(text)
     if read == "one":
         value = canonical_number(text)[0]
@@ -671,8 +675,6 @@ def within_stated_precision(generator: str, answer: str, entry: dict[str, Any]) 
 
 def numeric_oracle(entry: dict[str, Any]) -> bool:
     """Whether the item's oracle answer is one number by the project's reader (then so must the answer be)."""
-    from evertrain.envs.answers import canonical_number
-
     oracle = entry.get("answer")
     return isinstance(oracle, str) and canonical_number(oracle)[0] is not None
 
@@ -698,8 +700,6 @@ def just_outside_precision(generator: str, entry: dict[str, Any]) -> str | None:
 
 def _decimal_text(value: Fraction) -> str:
     """A terminating fraction (a sum of decimals) written out as a plain decimal."""
-    from decimal import Decimal, localcontext
-
     with localcontext() as context:
         context.prec = 60
         return format(Decimal(value.numerator) / Decimal(value.denominator), "f").rstrip("0").rstrip(".") or "0"
@@ -994,6 +994,7 @@ def _registry() -> dict[str, str]:
     """generator -> module (under reasoning_gym): the pinned table, or the live registry of another version."""
     if installed_version() == RG_VERSION:
         return dict(RG_MODULES)
+    # late: reasoning_gym (~1 s: every generator registers on import); listing names and config validation do without it
     import reasoning_gym  # noqa: F401  (a different version: ask it; importing registers every generator, ~1 s)
     from reasoning_gym.factory import DATASETS
 
@@ -1273,10 +1274,14 @@ class ReasoningGym(Environment):
     # --- problems
 
     def _dataset(self, seed: int, size: int) -> Any:
+        # late: reasoning_gym (~1 s: every generator registers on import); listing names and config validation do
+        # without it
         import reasoning_gym
 
         config = dict(self.config)
         if self.generator == "composite":
+            # late: reasoning_gym (~1 s: every generator registers on import); listing names and config validation do
+            # without it
             from reasoning_gym.composite import DatasetSpec
 
             config["datasets"] = [spec if isinstance(spec, DatasetSpec) else DatasetSpec(**spec)

@@ -32,6 +32,8 @@ OPENENV_PREFIX = "openenv:"  # openenv:<name> is an OpenEnv environment server (
 
 def rg_generators() -> list[str]:
     """Every reasoning-gym generator name (imports reasoning_gym, about a second)."""
+    # late: like BUILTIN's, an adapter's module loads when its environment is built (config validation reads this
+    # registry)
     from evertrain.envs.reasoning_gym import generator_names
 
     return generator_names()
@@ -69,14 +71,20 @@ def get(name: str, **options: Any) -> Environment:
     """Build the environment called ``name`` with its options."""
     check_name(name)
     if name.startswith(RG_PREFIX):
+        # late: like BUILTIN's, an adapter's module loads when its environment is built (config validation reads this
+        # registry)
         from evertrain.envs.reasoning_gym import ReasoningGym
 
         return ReasoningGym(name[len(RG_PREFIX):], **options)
     if name.startswith(VF_PREFIX):
+        # late: like BUILTIN's, an adapter's module loads when its environment is built (config validation reads this
+        # registry)
         from evertrain.envs.verifiers_env import VerifiersEnvironment
 
         return VerifiersEnvironment(name[len(VF_PREFIX):], **options)
     if name.startswith(OPENENV_PREFIX):
+        # late: like BUILTIN's, an adapter's module loads when its environment is built (config validation reads this
+        # registry)
         from evertrain.envs.openenv_env import OpenEnvEnvironment
 
         return OpenEnvEnvironment(name[len(OPENENV_PREFIX):], **options)

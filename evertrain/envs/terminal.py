@@ -55,6 +55,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import re
 import secrets
 import tarfile
@@ -346,8 +347,6 @@ class Terminal(Environment):
         return splits
 
     def problems(self, split: Split, n: int, seed: int) -> list[Problem]:
-        import random
-
         if split == "eval" and self.held_out == "generated":
             return self.generated_problems(task_names(n, seed, held_out=True), "eval")
         pool = self._splits[split]

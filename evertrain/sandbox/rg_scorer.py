@@ -6,8 +6,13 @@ answer and the item; the grade goes back as one line ``<nonce> <kind> <text>`` o
 the original stdout. See :mod:`evertrain.envs.reasoning_gym` for the protocol and why each guard
 exists (the audit hook, the literal-only ``eval``, the two-phase symbolic grade).
 """
+import ast
+import builtins
+import importlib
+import json
 import os
 import sys
+import types
 
 _BLOCKED_NAMES = frozenset((
     "eval", "exec", "compile", "open", "input", "breakpoint", "globals", "locals", "vars", "getattr",
@@ -73,8 +78,6 @@ def _load(request):
                        ("MPLBACKEND", "Agg"), ("MPLCONFIGDIR", "/tmp/matplotlib")):
         os.environ[key] = value
     sys.path.extend(request["site"])
-    import importlib
-    import types
     for name in request["lazy"]:  # imported at module level, used only to generate problems: load on first use
         stub = types.ModuleType(name)
 
@@ -103,6 +106,7 @@ def _load(request):
             if not key.startswith("_"):
                 setattr(coaching, key, value)
     importlib.import_module(module)
+    # late: loaded after the stub packages above stand in for its heavy __init__ files
     from reasoning_gym.factory import DATASETS
     dataset_cls, config_cls = DATASETS[request["generator"]]
     return dataset_cls(config=config_cls(**request["config"]))
@@ -114,6 +118,7 @@ _MAX_NODES = 2000
 def _reduce(request):
     """The answer parsed by sympy, as a plain-data tree: [type name, *children] or [kind, text]."""
     sys.path.extend(request["site"])
+    # late: found on the request's site folders, added to sys.path just above
     import sympy
     symbols = {name: sympy.Symbol(name) for name in request["symbols"]}
     expr = sympy.parse_expr(request["answer"], local_dict=symbols)
@@ -138,6 +143,7 @@ def _reduce(request):
 
 def _rebuild(tree, symbol_names):
     """The inverse of _reduce, from plain data only: an allowlist of sympy constructors, no parsing."""
+    # late: found on the request's site folders, added to sys.path just above
     import sympy
     functions = {name: getattr(sympy, name) for name in (
         "Add", "Mul", "Pow", "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot",
@@ -186,7 +192,6 @@ def main():
             break
         chunks.append(chunk)
     os.close(0)
-    import json
     request = json.loads(b"".join(chunks))
     chunks = None
     report_fd = os.dup(1)  # the only channel the grade is read from; the scorer's stdout goes nowhere
@@ -223,7 +228,6 @@ def _batch(request, report_fd):
     generator's module is loaded once, here, and each answer is scored in a process forked from this one, alone
     (its own audit hook, eval and exit), as a single request's would be. A child that ends without a clean exit
     gets a crash line for its nonce."""
-    import json
     items = request.pop("items")
     try:
         dataset = _load(request)
@@ -252,7 +256,6 @@ def _batch(request, report_fd):
 
 def _score(dataset, request, report):
     """Score ``request``'s answer with ``dataset``'s scorer and ``report`` it (which exits the process)."""
-    import json
     try:
         entry, answer = request["entry"], request["answer"]
         _revive(entry, request["revive"])
@@ -265,8 +268,6 @@ def _score(dataset, request, report):
         # string_insertion) get a literal-only eval: the answer is decoded as data, never run.
         # Some eval their own trusted data (bitwise_arithmetic evals the item's problem): strings of the
         # item, collected before the answer is looked at, keep the real eval.
-        import ast
-        import builtins
         trusted = set()
 
         def collect(value):

@@ -22,14 +22,17 @@ Protocol: one JSON object per line in each direction. A request ``{"setup": [sql
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import resource
+import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 from typing import Any
 
 WORKER_FILE = os.path.abspath(__file__)
@@ -97,8 +100,6 @@ class SqlWorker:
 
 def _read_line(fd: int, timeout_s: float, limit: int = 4 << 20) -> bytes | None:
     """One line from ``fd`` within ``timeout_s`` seconds and ``limit`` bytes (None: late, closed or too long)."""
-    import selectors
-
     end = time.monotonic() + timeout_s
     data = b""
     with selectors.DefaultSelector() as selector:
@@ -121,9 +122,6 @@ def _read_line(fd: int, timeout_s: float, limit: int = 4 << 20) -> bytes | None:
 
 
 def _cell(value: Any) -> str:
-    import datetime as dt
-    from decimal import Decimal
-
     if value is None:
         return "NULL"
     if isinstance(value, (dt.date, dt.datetime)):
@@ -166,6 +164,7 @@ def _reads_only(query: str) -> bool:
 
 def _child(request: dict[str, Any], write_fd: int) -> None:
     """In the forked child: limits, a fresh locked-down database, one statement, the reply, exit."""
+    # late: already loaded by main before the fork; the parent side imports this module without duckdb
     import duckdb
 
     mb = 1024 * 1024
@@ -243,7 +242,9 @@ def _serve_one(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    import duckdb  # noqa: F401  (imported once here, before any fork: each child starts with it loaded)
+    # late: only the worker loads duckdb, once here, before any fork (each child starts with it loaded); the
+    # parent side (SqlWorker, verifiers_worker's _read_line) imports this module without it
+    import duckdb  # noqa: F401
 
     for raw in sys.stdin.buffer:
         try:

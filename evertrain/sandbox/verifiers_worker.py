@@ -31,9 +31,11 @@ never changes what the rubric checks against.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import json
+import logging
 import math
 import os
 import resource
@@ -45,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from evertrain.processes import in_spawner
+from evertrain.sandbox.bwrap import _mounts, _unsafe, check_available, ro_bind_args
 from evertrain.sandbox.sql_worker import _read_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,8 +69,6 @@ def jail_argv(paths: list[str], writable: list[str] | None = None) -> list[str]:
     """The bubblewrap command line the worker runs under (see the module's docstring; ``paths`` visible read-only,
     ``writable`` folders bound read-write, e.g. one holding a server's Unix socket); [] where the sandbox is off
     (``EVERTRAIN_UNSAFE_NO_SANDBOX=1``, tests of machines without bwrap)."""
-    from evertrain.sandbox.bwrap import _mounts, _unsafe, check_available, ro_bind_args
-
     if _unsafe():
         return []
     check_available()
@@ -94,8 +96,6 @@ class RubricWorker:
         self._failed: tuple[float, str] | None = None  # when the last start failed, and why
 
     def _start(self) -> subprocess.Popen[bytes]:
-        from evertrain.processes import in_spawner
-
         paths = [self.path] if self.path else []
         argv = [*jail_argv(paths), sys.executable, "-s", "-m", "evertrain.sandbox.verifiers_worker",
                 "--taskset", self.taskset, "--knobs", json.dumps(self.knobs)]
@@ -198,6 +198,7 @@ def _drain(stream: Any, tail: collections.deque[bytes]) -> None:
 
 def _load(taskset_id: str, knobs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The package's environment (its ``vf.Env`` subclass, or verifiers' single-agent one) and its tasks by key."""
+    # late: verifiers (heavy) loads only in the worker process; its parent imports this module for jail_argv
     import verifiers.v1 as vf
 
     env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": taskset_id, **knobs}}))
@@ -212,6 +213,7 @@ def _load(taskset_id: str, knobs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 def multi_turn(env: Any) -> bool:
     """Whether the package brings an environment of its own (its ``run`` speaks between the policy's turns)."""
+    # late: verifiers (heavy) loads only in the worker process; its parent imports this module for jail_argv
     from verifiers.v1.envs.single_agent.env import SingleAgentEnv
 
     return not isinstance(env, SingleAgentEnv)
@@ -243,6 +245,7 @@ class _Interaction:
         _append(self.trace, message)
 
     async def turn(self, message: Any = None) -> Any:
+        # late: verifiers (heavy) loads only in the worker process; its parent imports this module for jail_argv
         import verifiers.v1 as vf
 
         said: str | None = None
@@ -290,8 +293,6 @@ class _Agents:
 def replay(env: Any, task: Any, opening: list[dict[str, str]], replies: list[str]) -> tuple[Any, str | None, bool]:
     """Run the environment's ``run`` on ``task`` with the policy's ``replies``: (the exchange's trace, the
     environment's next message once the replies ran out (None: it said nothing more), whether the episode ended)."""
-    import asyncio
-
     runs: list[_Interaction] = []
     agents = _Agents(list(env.config.agent_harnesses()), _Agent(opening, replies, runs))
     try:
@@ -302,6 +303,7 @@ def replay(env: Any, task: Any, opening: list[dict[str, str]], replies: list[str
 
 
 def _trace(task: Any, messages: list[dict[str, Any]]) -> Any:
+    # late: verifiers (heavy) loads only in the worker process; its parent imports this module for jail_argv
     import verifiers.v1 as vf
     from verifiers.v1.state import state_cls
 
@@ -313,6 +315,7 @@ def _trace(task: Any, messages: list[dict[str, Any]]) -> Any:
 
 
 def _append(trace: Any, message: dict[str, Any]) -> None:
+    # late: verifiers (heavy) loads only in the worker process; its parent imports this module for jail_argv
     import verifiers.v1 as vf
 
     node = vf.MessageNode.model_validate({"message": message}).message
@@ -350,9 +353,6 @@ class _Done(Exception):
 def _score_child(env: Any, task: Any, request: dict[str, Any], write_fd: int) -> None:
     """In the forked child: limits, the task's rewards on the messages (or on the episode replayed), the reply,
     exit."""
-    import asyncio
-    import logging
-
     logging.disable(logging.CRITICAL)  # the reply is the only output that counts
     _refuse_processes()
     mb = 1024 * 1024
