@@ -18,6 +18,7 @@ frees the process, can only be resumed by a worker re-running a deployment).
 from __future__ import annotations
 
 import hashlib
+import html
 import logging
 import math
 import os
@@ -26,11 +27,25 @@ import time
 from typing import Any
 
 import pandas as pd
+from markdown_it import MarkdownIt
+from prefect import get_client
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import FlowPauseTimeout, NotPausedError
+from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
+from prefect.input.actions import delete_flow_run_input, read_flow_run_input
+from prefect.input.run_input import keyset_from_base_key, keyset_from_paused_state
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Running
 from pydantic import Field, SecretStr
 
 from evertrain.config import ConfigError
+from evertrain.data.lineage import champion_vs_base
 from evertrain.data.store import now
+from evertrain.serving.auth import ENV_VAR, actor_name, check_secret
+from evertrain.stats import mean_interval
 
 log = logging.getLogger("evertrain.approval")
 POLL_S = 2  # how often the paused stage asks the Prefect server whether it was resumed (one small GET)
@@ -71,8 +86,6 @@ def _cell(text: Any) -> str:
 def _env_gains(scores: pd.DataFrame, seed: int, samples: int = 2000) -> list[dict[str, Any]]:
     """Per environment: pass@1 of champion and challenger on the gate's paired problems, and the gain with a
     95% paired bootstrap interval (resampling problems)."""
-    from evertrain.stats import mean_interval
-
     rows = []
     for env, group in scores.groupby("env"):
         diff = (group["challenger"] - group["champion"]).to_numpy(dtype=float)
@@ -84,8 +97,6 @@ def _env_gains(scores: pd.DataFrame, seed: int, samples: int = 2000) -> list[dic
 
 
 def _sealed_lines(rt: Any) -> list[str]:
-    from evertrain.data.lineage import champion_vs_base
-
     rows = [r for r in champion_vs_base(rt.store, rt.campaign) if r["split"] != "gate"]
     lines = ["#### Sealed splits (so far: base model and current champion)", ""]
     if not rows:
@@ -154,16 +165,11 @@ def _record(rt: Any, iteration: int, row: dict[str, Any]) -> None:
 def _resume_after_timeout(flow_run_id: str) -> None:
     """Pause timed out: the server holds the run Paused past its deadline and refuses a plain resume, so set it
     Running by force; the stage then records the rejection and the campaign goes on with the champion."""
-    from prefect import get_client
-    from prefect.states import Running
-
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Running(), force=True)
 
 
 def _publish(rt: Any, iteration: int, evidence: str) -> None:
-    from prefect.artifacts import create_markdown_artifact
-
     key = f"{rt.campaign}-iteration-{iteration}-approval".lower().replace("_", "-")
     create_markdown_artifact(evidence, key=key, description=f"Approval requested, iteration {iteration}")
 
@@ -174,6 +180,7 @@ def request_approval(rt: Any, iteration: int, decision: dict[str, Any], scores: 
     for a person's answer; a rejection or a timeout turns the decision into 'kept champion'."""
     if rt.config.promotion.approval != "required" or not decision["promoted"]:
         return decision
+    # late: breaks the cycle approval -> evertrain.tasks (its __init__) -> tasks.promote -> approval
     from evertrain.tasks.base import current_flow_run_id
 
     flow_run_id = current_flow_run_id()
@@ -222,11 +229,6 @@ def _authenticated_answer(rt: Any, iteration: int, flow_run_id: str, evidence: s
     (the answer, its key), or (None, None) at the timeout. Every answer is recorded in ``approval_attempts``; a
     refused one pauses the run again (a fresh pause key) for the rest of the time. The key is deleted from
     Prefect's run input as soon as it is read."""
-    from prefect.exceptions import FlowPauseTimeout
-    from prefect.flow_runs import pause_flow_run
-
-    from evertrain.serving.auth import check_secret
-
     attempt = 0
     while True:
         left = math.ceil(timeout - (time.monotonic() - began))
@@ -259,9 +261,6 @@ def _authenticated_answer(rt: Any, iteration: int, flow_run_id: str, evidence: s
 
 def _forget_input(flow_run_id: str, pause_key: str) -> None:
     """Delete the answer (it holds an API key) from the Prefect server's run input once it is read."""
-    from prefect.input.actions import delete_flow_run_input
-    from prefect.input.run_input import keyset_from_base_key
-
     try:
         delete_flow_run_input(keyset_from_base_key(f"paused-{pause_key}")["response"], flow_run_id)
     except Exception as error:  # the decision stands; say the key may still be readable there
@@ -272,10 +271,6 @@ def _forget_input(flow_run_id: str, pause_key: str) -> None:
 
 def paused_promotions(campaign: str) -> list[dict[str, Any]]:
     """The campaign's flow runs paused for an approval, on the Prefect server this process talks to."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
-    from prefect.client.schemas.objects import StateType
-
     paused = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED])))
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=paused)
@@ -294,10 +289,6 @@ def paused_promotions(campaign: str) -> list[dict[str, Any]]:
 def waiting(campaign: str, iteration: int | None = None) -> dict[str, Any]:
     """The campaign's one promotion waiting for approval (``iteration``: when several wait), with the evidence
     its form shows; a clear error when there is none."""
-    from prefect.input.actions import read_flow_run_input
-    from prefect.input.run_input import keyset_from_paused_state
-    from prefect.settings import PREFECT_API_URL
-
     if not PREFECT_API_URL.value():  # else Prefect starts a throwaway server of its own, which holds no paused run
         raise ApprovalError("PREFECT_API_URL is not set: point it at the Prefect server the campaign runs on "
                             "(e.g. http://127.0.0.1:4200/api, the server `evertrain ui` starts)")
@@ -323,11 +314,6 @@ def answer(campaign: str, approve: bool, reason: str = "", api_key: str | None =
     """Resume the campaign's paused promotion with a reviewer's answer, as the Prefect UI's form does. The
     answer carries ``api_key`` (default: ``$EVERTRAIN_API_KEY``), which needs the ``approve`` scope: the stage
     that waits checks it against the store and records the decision under the key's name."""
-    from prefect.exceptions import FlowPauseTimeout, NotPausedError
-    from prefect.flow_runs import resume_flow_run
-
-    from evertrain.serving.auth import ENV_VAR, actor_name
-
     secret = api_key or os.environ.get(ENV_VAR, "")
     if not secret:
         raise ApprovalError(f"an answer needs an API key with the 'approve' scope: set {ENV_VAR} or give "
@@ -350,10 +336,6 @@ def answer(campaign: str, approve: bool, reason: str = "", api_key: str | None =
 def approval_page(evidence: str, title: str = "Promotion waiting for approval") -> str:
     """The evidence Markdown as a self-contained HTML page (what `evertrain approve --html` writes), rendered
     with the CommonMark parser plus tables, as the Prefect UI renders a form's description."""
-    import html
-
-    from markdown_it import MarkdownIt
-
     body = MarkdownIt("commonmark", {"html": False}).enable("table").render(evidence)
     style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;line-height:1.4}"
              "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #bbb;padding:4px 8px;"

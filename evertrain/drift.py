@@ -29,6 +29,19 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.context import FlowRunContext
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store
@@ -84,8 +97,6 @@ def live_window(store: Store, campaign: str, window_minutes: float, threshold: f
 def campaign_run_name() -> str:
     """The name of a campaign flow run: the campaign's, except that a run the monitor started keeps the name that
     says why (``drift: calculator[calc] 0.04 < 0.50``) for the Prefect UI, instead of being renamed when it starts."""
-    from prefect.context import FlowRunContext
-
     context = FlowRunContext.get()
     run = context.flow_run if context is not None else None
     if run is not None and DRIFT_TAG in (run.tags or []) and run.name:
@@ -102,17 +113,6 @@ def deployment_name(config: CampaignConfig) -> str:
 
 def blocking_run(config: CampaignConfig, at: datetime | None = None) -> str | None:
     """Why a drop may not start a run now (a run in flight, or the cooldown), or None when it may."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterDeploymentId,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        FlowRunFilterTags,
-    )
-    from prefect.client.schemas.sorting import FlowRunSort
-    from prefect.exceptions import ObjectNotFound
-
     name = deployment_name(config)
     at = at or datetime.now(UTC)
     with get_client(sync_client=True) as client:
@@ -172,8 +172,6 @@ def check(config: CampaignConfig, store: Store | None = None, at: datetime | Non
 
     Returns ``{"readings", "dropped", "blocked", "flow_run_id", "flow_run_name", "outcome"}``.
     """
-    from evertrain.data.store import Store
-
     drift = config.drift
     if store is None:
         with Store(config.paths.store) as own:  # its own connection, closed before a run is started
@@ -199,8 +197,6 @@ def check(config: CampaignConfig, store: Store | None = None, at: datetime | Non
 
 def start_run(config: CampaignConfig, dropped: list[Reading]) -> Any:
     """Run the campaign's deployment now, its name and tags saying which drop started it; returns the flow run."""
-    from prefect.deployments import run_deployment
-
     threshold = config.drift.threshold
     reason = ", ".join(f"{r.label()} {r.rate:.2f} < {threshold:.2f}" for r in dropped)
     tags = [DRIFT_TAG, f"campaign:{config.name}",
@@ -213,8 +209,6 @@ def start_run(config: CampaignConfig, dropped: list[Reading]) -> Any:
 @flow(name="evertrain-drift", flow_run_name="{config.name}-drift-check", log_prints=True)
 def drift_flow(config: CampaignConfig) -> dict[str, Any]:
     """One drift check of ``config``'s campaign (the monitor's deployment runs it every drift.interval_seconds)."""
-    from prefect.artifacts import create_markdown_artifact
-
     result = check(config)
     readings = [Reading(**r) for r in result["readings"]]
     if result["dropped"]:

@@ -15,7 +15,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import torch
+
+import mlflow
+from evertrain.data.lineage import champion_vs_base
 from evertrain.models import ModelError
+from evertrain.models.checkpoint import hub_id, load_policy, read_manifest
 from evertrain.report import SPLIT_LABELS
 from evertrain.runtime import Runtime
 
@@ -30,10 +36,6 @@ class ExportError(ModelError):
 
 def export(rt: Runtime, out: Path, version: int | None = None, log_to_mlflow: bool = True) -> dict[str, Any]:
     """Export ``version`` (default: the champion) of ``rt``'s campaign to ``out``; returns what was written."""
-    import torch
-
-    from evertrain.models.checkpoint import load_policy, read_manifest
-
     if version is None:
         version = rt.store.champion_history(rt.campaign)[0]  # the store's lineage, not MLflow's projection of it
         if version is None:
@@ -74,8 +76,6 @@ def export(rt: Runtime, out: Path, version: int | None = None, log_to_mlflow: bo
 
 def _log_transformers_model(rt: Runtime, model: Any, tokenizer: Any, version: int, lineage: dict[str, Any]) -> str:
     """Log the merged model in its own run of the campaign's experiment; returns ``runs:/<run>/model``."""
-    import mlflow
-
     with mlflow.start_run(experiment_id=rt.tracker.experiment_id, run_name=f"export-v{version}",
                           tags={"evertrain.campaign": rt.campaign, "evertrain.export_of": str(version)}) as run:
         mlflow.transformers.log_model(
@@ -90,9 +90,6 @@ def _log_transformers_model(rt: Runtime, model: Any, tokenizer: Any, version: in
 def collect_lineage(rt: Runtime, version: int, row: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     """Where ``version`` came from, read from the store: the chain of versions back to the base model, the
     iterations and data that trained them, the gate's decisions, held-out results and what it all cost."""
-    from evertrain.data.lineage import champion_vs_base
-    from evertrain.models.checkpoint import hub_id
-
     store, campaign = rt.store, rt.campaign
     chain = store.lineage(campaign, version)
     iterations = sorted(c["iteration"] for c in chain if c["iteration"] >= 0)
@@ -114,8 +111,6 @@ def collect_lineage(rt: Runtime, version: int, row: dict[str, Any], manifest: di
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
-    import pandas as pd
-
     return "-" if value is None or pd.isna(value) else format(value, spec)
 
 

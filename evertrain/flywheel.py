@@ -35,12 +35,28 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
+import psutil
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Cancelling
+
 from evertrain import processes
+from evertrain.approval import ApprovalError, answer, paused_promotions
 from evertrain.config import CampaignConfig, load_config
+from evertrain.data.store import Store
+from evertrain.drift import DRIFT_TAG
+from evertrain.envs import registry
+from evertrain.flows.deploy import serve_flywheel, start_server
+from evertrain.serving.app import Endpoint, EndpointServer
+from evertrain.serving.auth import ENV_VAR, create_key
+from evertrain.stats import wilson
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAFFIC_SEED = 20_251
@@ -63,8 +79,6 @@ def with_tool(config: CampaignConfig, version: int, approval: str | None = None)
 
 def tree_cpu_seconds(pid: int | None = None) -> float:
     """CPU seconds of a process and its live descendants, with the children each has already reaped."""
-    import psutil
-
     root = psutil.Process(pid or os.getpid())
     total = 0.0
     for process in [root, *root.children(recursive=True)]:
@@ -84,9 +98,6 @@ def endpoint_server(config: CampaignConfig) -> Any:
     Tools run at the client, and the deployment's tool is what changed: the endpoint must turn the model's
     ``<calc>`` calls into tool calls as soon as clients declare that tool, before any model was trained on it.
     """
-    from evertrain.envs import registry
-    from evertrain.serving.app import Endpoint, EndpointServer
-
     both = set(registry.get("calculator").tools) | set(registry.get("calculator", tool_version=2).tools)
 
     class BothTools(Endpoint):
@@ -99,8 +110,6 @@ def endpoint_server(config: CampaignConfig) -> Any:
 def demo_key(store: Any) -> str:
     """The API key the demo's clients send: $EVERTRAIN_API_KEY when set, else a new one (scope infer) made in the
     demo's own store, as `evertrain keys create` would (the endpoint requires keys: serving.auth = "keys")."""
-    from evertrain.serving.auth import ENV_VAR, create_key
-
     if os.environ.get(ENV_VAR):
         return os.environ[ENV_VAR]
     secret, _row = create_key(store, f"flywheel-demo-{time.strftime('%Y%m%d-%H%M%S')}", "infer", actor="flywheel")
@@ -126,9 +135,6 @@ class Traffic:
 
     def __init__(self, url: str, campaign: str, clients: int, max_tokens: int, pool_size: int = 400,
                  api_key: str | None = None) -> None:
-        from evertrain.envs import registry
-        from evertrain.serving.auth import ENV_VAR
-
         self.url, self.campaign, self.max_tokens = url, campaign, max_tokens
         # the endpoint's API key (scopes infer, and feedback for a client that sends it): given, else $EVERTRAIN_API_KEY
         self.api_key = api_key or os.environ.get(ENV_VAR)
@@ -163,8 +169,6 @@ class Traffic:
                        for e in self.episodes)
 
     def _client(self, k: int) -> None:
-        import openai
-
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=600)
         rng = random.Random(k)
         while not self._stop.is_set():
@@ -226,20 +230,12 @@ def start_runner(config: CampaignConfig, workdir: Path, monitor_interval: float,
 
 
 def drift_runs(campaign: str) -> list[Any]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
-
-    from evertrain.drift import DRIFT_TAG
-
     with get_client(sync_client=True) as client:
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[DRIFT_TAG, f"campaign:{campaign}"])))
 
 
 def cancel_run(run_id: Any) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.states import Cancelling
-
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run_id, Cancelling(), force=True)
 
@@ -252,8 +248,6 @@ def outcomes(store: Any, campaign: str, trace_ids: list[str]) -> dict[str, bool]
 
 
 def phase_rate(episodes: list[Episode], graded: dict[str, bool]) -> dict[str, Any]:
-    from evertrain.stats import wilson
-
     scored = [graded[e.final_trace] for e in episodes if e.final_trace in graded]
     n, k = len(scored), int(sum(scored))
     low, high = wilson(k, n)
@@ -276,8 +270,6 @@ def machine() -> dict[str, Any]:
 def train_first_champion(config: CampaignConfig, iterations: int, workdir: Path, log_path: Path) -> int:
     """A short campaign on tool v1 (approval 'auto': nothing is deployed yet); the champion's version (the
     store's)."""
-    from evertrain.data.store import Store
-
     v1 = with_tool(config, 1, approval="auto")
     path = workdir / "flywheel-v1.json"
     path.write_text(json.dumps(v1.resolved().model_dump(mode="json")))
@@ -290,8 +282,6 @@ def train_first_champion(config: CampaignConfig, iterations: int, workdir: Path,
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from evertrain.flows.deploy import start_server
-
     config = load_config(args.config, args.set).resolved()
     state = Path(config.paths.checkpoints).parent
     if args.fresh and state.exists():
@@ -308,8 +298,6 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{what} {json.dumps(extra) if extra else ''} (t={event['t_s']} s, cpu={event['cpu_s']} s)")
         return event
 
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     # a Prefect database of the demo's own: runs of an earlier demo (same campaign name) must not count as this one's
     os.environ["PREFECT_HOME"] = str(state / "prefect")
     url, prefect = start_server(args.prefect_port, scheduler_seconds=5)
@@ -321,9 +309,6 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log_path: Path, began: float,
               cpu0: float, events: list[dict[str, Any]], mark: Any, prefect: subprocess.Popen) -> dict[str, Any]:
-    from evertrain.approval import ApprovalError, answer, paused_promotions
-    from evertrain.serving.auth import create_key
-
     runner = server = traffic = None
     result: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, "-m", "evertrain.flywheel",
                                                      *sys.argv[1:]]), "machine": machine(), "events": events}
@@ -420,8 +405,6 @@ def _run_demo(args: argparse.Namespace, config: CampaignConfig, state: Path, log
                       settings={k: v for k, v in vars(args).items() if k not in ("command", "func")})
         return result
     except Exception as error:  # what was measured so far is still written, with what broke
-        import traceback
-
         result["error"] = "".join(traceback.format_exception(error))[-3000:]
         log(f"the demo failed: {type(error).__name__}: {error}")
         return result
@@ -447,8 +430,6 @@ def gate_decisions(store: Any, campaign: str) -> list[dict[str, Any]]:
 
 
 def serve_deployments(args: argparse.Namespace) -> None:
-    from evertrain.flows.deploy import serve_flywheel
-
     serve_flywheel(load_config(args.config), monitor_interval=args.monitor_interval)
 
 

@@ -45,9 +45,12 @@ per-problem ``too_easy`` / ``too_hard`` rules of curation count bare attempts on
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from evertrain.data.store import now
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -207,8 +210,6 @@ def guide(env: Environment, problem: Problem, chosen: Plan | None) -> Problem:
 def record(rt: Any, iteration: int, selections: list[Selection]) -> dict[str, Any]:
     """Store the kinds' levels of ``iteration`` (one selection per environment; replacing a rerun's rows); the
     metrics for MLflow."""
-    from evertrain.data.store import now
-
     stamp = now()
     states = [s for selection in selections for s in selection.states.values()]
     rows = [{"campaign": rt.campaign, "iteration": iteration,
@@ -240,8 +241,6 @@ def curated_metrics(rows: list[dict[str, Any]], selections: list[Selection]) -> 
 def score_metrics(frame: pd.DataFrame) -> dict[str, Any]:
     """Informative share and pass rate of the scored groups, bare and guided apart (``frame``: rollouts with
     payload, reward, passed)."""
-    import json
-
     level = frame["payload"].map(lambda p: int((json.loads(p) if isinstance(p, str) else p or {})
                                                .get("guidance", {}).get("level", 0)))
     out: dict[str, Any] = {}

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from evertrain.config import CampaignConfig
+from evertrain.data.store import now
 
 
 @dataclass
@@ -120,8 +121,6 @@ def plan(config: CampaignConfig, store: Any, campaign: str, iteration: int) -> l
 def record(rt: Any, iteration: int) -> tuple[list[int], dict[str, Any]]:
     """Plan iteration ``iteration``'s mix, write it to the store's ``mix`` table (replacing a rerun's rows),
     and return the problem counts per environment (config order) and metrics for MLflow."""
-    from evertrain.data.store import now
-
     envs = plan(rt.config, rt.store, rt.campaign, iteration)
     stamp = now()
     rt.store.replace("mix", {"campaign": rt.campaign, "iteration": iteration},

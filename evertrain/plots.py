@@ -7,11 +7,11 @@ import html
 import io
 from typing import Any
 
+from evertrain.stats import wilson
+
 
 def _gate_interval(rows: list[dict[str, Any]], key: str, share_key: str | None) -> tuple[list[float], list[float]]:
     """The 95% Wilson interval of each row's gate pass@1 as errorbar extents (below, above); 0 where unknown."""
-    from evertrain.stats import wilson
-
     def extent(r: dict[str, Any]) -> tuple[float, float]:
         value, problems = r.get(key), r.get("gate_problems")
         if value is None or not problems:
@@ -27,9 +27,11 @@ def _gate_interval(rows: list[dict[str, Any]], key: str, share_key: str | None) 
 def progress_figure(rows: list[dict[str, Any]], title: str = "", sealed: list[dict[str, Any]] | None = None) -> Any:
     """Reward, the gate's pass@1 of challenger and champion (95% intervals) and the sealed test pass@1 of the
     base and each champion (95% intervals) against iteration; dollars spent and points gained per dollar."""
+    # late: matplotlib (~0.5 s), imported after matplotlib.use("Agg") chose its backend
     import matplotlib
 
     matplotlib.use("Agg")
+    # late: matplotlib (~0.5 s), imported after matplotlib.use("Agg") chose its backend
     import matplotlib.pyplot as plt
 
     its = [r["iteration"] for r in rows]
@@ -81,9 +83,11 @@ def progress_figure(rows: list[dict[str, Any]], title: str = "", sealed: list[di
 def live_pass_rate_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
     """The endpoint's live pass rate over time: one panel per environment and tool, one line per model version
     (its 95% interval shaded), from :func:`evertrain.report.live_pass_rate_over_time`'s rows."""
+    # late: matplotlib (~0.5 s), imported after matplotlib.use("Agg") chose its backend
     import matplotlib
 
     matplotlib.use("Agg")
+    # late: matplotlib (~0.5 s), imported after matplotlib.use("Agg") chose its backend
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
@@ -139,6 +143,7 @@ def live_html(live: list[dict[str, Any]] | None) -> str:
     """The page's live-pass-rate part: the plot over time and its table ('' when no trace has an outcome)."""
     if not live:
         return ""
+    # late: matplotlib (~0.5 s), imported after matplotlib.use("Agg") chose its backend
     import matplotlib.pyplot as plt
 
     fig = live_pass_rate_figure(live)
@@ -161,6 +166,7 @@ def html_report(campaign: str, rows: list[dict[str, Any]], versus_base: list[dic
     ``live`` the endpoint's pass rate over time (:func:`evertrain.report.live_pass_rate_over_time`); ``sealed``
     the sealed splits' pass@1 of the base and each champion (:func:`evertrain.data.lineage.sealed_curve`).
     A section with nothing to show is left out, heading and all."""
+    # late: matplotlib (~0.5 s), imported after matplotlib.use("Agg") chose its backend
     import matplotlib.pyplot as plt
 
     fig = progress_figure(rows, f"campaign {campaign}", sealed)

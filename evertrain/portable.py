@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from evertrain.data.databases import rebase_mlflow_locations
+
 log = logging.getLogger("evertrain")
 
 
@@ -42,8 +44,6 @@ def rebase_mlflow_artifacts(db_file: Path, old: str, new: str) -> int:
     MLflow offers no API to move an experiment's artifact root; its rows are plain strings, so a
     prefix replacement in one transaction is the whole move. Returns the number of rows changed.
     """
-    from evertrain.data.databases import rebase_mlflow_locations
-
     old, new = old.rstrip("/"), new.rstrip("/")
     changed = rebase_mlflow_locations(db_file, old, new)
     if changed:

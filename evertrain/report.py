@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from evertrain.config import CampaignConfig
 from evertrain.data.store import Store
 from evertrain.stats import min_detectable_gain
 
@@ -61,9 +68,6 @@ def _cell(value: Any) -> str:
 def render_table(rows: list[dict[str, Any]], title: str, wide: bool = False) -> None:
     """Print the report as a table on the terminal: the columns of :data:`NARROW` (at most 100 characters wide),
     or every column with ``wide``."""
-    from rich.console import Console
-    from rich.table import Table
-
     columns = COLUMNS if wide else [(key, header) for key, header in COLUMNS if key in NARROW]
     table = Table(title=title)
     for _, header in columns:
@@ -80,8 +84,6 @@ def iteration_line(row: dict[str, Any], width: int = 100) -> str:
     """One iteration as it ends, in at most ``width`` characters: mean reward, the share of groups with a learning
     signal (rewards that disagree), the gate's decision with its gain and interval, wall and CPU seconds.
     Only a skipped gate's reason is shortened to fit; the cost always ends the line."""
-    import re
-
     parts = [f"iteration {row['iteration']}"]
     if row.get("mean_reward") is not None:
         parts.append(f"reward {row['mean_reward']:.3f}")
@@ -138,10 +140,6 @@ def format_versus(s: dict[str, Any]) -> str:
 
 def render_rollouts(rows: list[dict[str, Any]], title: str, prompt_chars: int = 600) -> None:
     """Print rollouts as panels: the prompt's tail, every turn (tool calls and their output), the verdict."""
-    from rich.console import Console
-    from rich.panel import Panel
-    from rich.text import Text
-
     console = Console()
     if not console.is_terminal:  # piped or captured: never cut a problem id or a turn to fit 80 columns
         console = Console(width=max(console.width, 160))
@@ -261,8 +259,6 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
     measured on its last comparison of two different versions (else assumed 2p(1-p) at the champion's
     pass@1, as if their answers were independent), and the smallest gain it detects, also at 2x and 4x the
     problems. The gate's sequential looks and regression rule are not modelled: a fixed-size approximation."""
-    from evertrain.config import CampaignConfig
-
     raw = store.campaign_config(campaign)
     if raw is None:
         return None

@@ -17,8 +17,11 @@ import shutil
 from typing import Any
 
 import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
 from evertrain.data.lineage import aliases
+from evertrain.portable import resolve_under
 from evertrain.runtime import Runtime
 
 log = logging.getLogger("evertrain")
@@ -56,11 +59,6 @@ def apply_retention(rt: Runtime) -> dict[str, Any]:
 
 
 def _delete_checkpoint(rt: Runtime, version: int, path: str | None) -> None:
-    from mlflow.exceptions import MlflowException
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
-    from evertrain.portable import resolve_under
-
     if isinstance(path, str) and path:
         shutil.rmtree(resolve_under(path, rt.checkpoints_root()), ignore_errors=True)
     try:

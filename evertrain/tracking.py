@@ -9,13 +9,22 @@ resolves to something :func:`load_policy` can load.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
+
+import mlflow
 from evertrain.config import CampaignConfig
 from evertrain.data.lineage import aliases
+from evertrain.portable import rebase_mlflow_artifacts
+from mlflow import MlflowClient
 
 ITERATION_TAG = "evertrain.iteration"
 CAMPAIGN_RUN_TAG = "evertrain.campaign_run"
@@ -27,9 +36,6 @@ class Tracker:
     """The campaign's view of MLflow, through one ``MlflowClient`` (no global active-run state)."""
 
     def __init__(self, config: CampaignConfig) -> None:
-        import mlflow
-        from mlflow import MlflowClient
-
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
         uri = config.paths.mlflow_uri
@@ -63,8 +69,6 @@ class Tracker:
         and ``state/`` are copied elsewhere they would still name the old folder (and new versions would be
         written there). Only a SQLite backend is rewritten, and only when the artifacts exist at the new root.
         """
-        from evertrain.portable import rebase_mlflow_artifacts
-
         current = self.artifact_root.as_uri()
         uri = self.config.paths.mlflow_uri
         if recorded.rstrip("/") == current or not uri.startswith("sqlite:///") or not self.artifact_root.exists():
@@ -130,10 +134,6 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
         stamp = int(time.time() * 1000)
         batch = [Metric(key, float(value), stamp, step) for key, value in metrics.items()
                  if isinstance(value, (int, float)) and not isinstance(value, bool)]
@@ -143,10 +143,6 @@ class Tracker:
     def log_rollouts(self, run_id: str, iteration: int, rows: list[dict[str, Any]]) -> str:
         """A sample of the iteration's scored rollouts as an MLflow table (the run's Artifacts tab and
         ``mlflow.load_table``): prompt, turns, completion, reward and the grader's reason."""
-        import json
-
-        import pandas as pd
-
         frame = pd.DataFrame([{
             "env": r["env"], "problem_id": r["problem_id"], "sample": int(r["sample"]),
             "policy_version": int(r["policy_version"]), "prompt": r["prompt_text"],
@@ -162,8 +158,6 @@ class Tracker:
 
     # --- registry ----------------------------------------------------------------------------------
     def ensure_registered_model(self) -> None:
-        from mlflow.exceptions import MlflowException
-
         try:
             self.client.get_registered_model(self.model_name)
         except MlflowException:
@@ -204,8 +198,6 @@ class Tracker:
         return int(version.version)
 
     def alias(self, alias: str) -> int | None:
-        from mlflow.exceptions import MlflowException
-
         try:
             return int(self.client.get_model_version_by_alias(self.model_name, alias).version)
         except MlflowException:
@@ -237,7 +229,5 @@ class Tracker:
         self.client.delete_model_version(self.model_name, str(version))
 
     def download(self, version: int) -> Path:
-        import mlflow
-
         source = self.client.get_model_version(self.model_name, str(version)).source
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=source))

@@ -21,10 +21,13 @@ import sys
 from typing import Any
 
 from prefect import flow, tags
+from prefect.context import FlowRunContext
 
-from evertrain import interrupts
+from evertrain import interrupts, promises
 from evertrain.config import CampaignConfig
+from evertrain.data.lineage import iteration_report
 from evertrain.drift import campaign_run_name
+from evertrain.report import iteration_line
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_TASKS, STAGES
 
@@ -54,7 +57,9 @@ def iteration_flow(rt: Runtime, iteration: int) -> dict[str, Any]:
         interrupts.check()  # a stop signal whose KeyboardInterrupt was swallowed (evertrain.interrupts)
         if (stage == "update" and config.sft.runs_in(iteration) and done.get("sft") != "completed"
                 and done.get("update") != "completed"):
-            from evertrain.tasks.sft import sft_task  # the optional stage between score and update
+            # late: the optional stage between score and update brings trl and datasets (~1.5 s): a campaign
+            # without it does not load them
+            from evertrain.tasks.sft import sft_task
 
             metrics["sft"] = sft_task(rt, iteration)
         if done.get(stage) == "completed":
@@ -80,16 +85,12 @@ def campaign_flow(config: CampaignConfig, iterations: int | None = None) -> list
     """Run ``iterations`` iterations of the campaign (None: forever), after its last finished one."""
     with Runtime.open(config) as rt:  # once per run: every stage shares it, and it is closed however the run ends
         if _from_a_deployment():  # a run through Prefect's API or UI may not change what the campaign promises
-            from evertrain import promises
-
             promises.check(rt.store, config)
         return run_campaign(rt, iterations)
 
 
 def _from_a_deployment() -> bool:
     """Whether this flow run was created from a deployment (its form in the UI, the API, a schedule, a worker)."""
-    from prefect.context import FlowRunContext
-
     context = FlowRunContext.get()
     return context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
 
@@ -109,9 +110,6 @@ def run_campaign_flow(rt: Runtime, iterations: int | None = None) -> list[int]:
 def _report_iteration(rt: Runtime, iteration: int) -> None:
     """One line on the terminal as an iteration ends (reward, groups with signal, the gate, cost): written to
     stderr itself, not printed, so Prefect's log formatting does not widen it past 100 columns."""
-    from evertrain.data.lineage import iteration_report
-    from evertrain.report import iteration_line
-
     row = next((r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] == iteration), None)
     if row is not None:
         sys.stderr.write(iteration_line(row) + "\n")

@@ -26,8 +26,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from evertrain import processes
+import prefect
+from prefect import serve as prefect_serve
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import EntrypointType
+from prefect.exceptions import ObjectAlreadyExists
+from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings
+
+from evertrain import processes, promises
 from evertrain.config import CampaignConfig
+from evertrain.drift import drift_flow
+from evertrain.serving.flow import endpoint_flow
 
 
 def _free_port(preferred: int) -> int:
@@ -49,9 +60,9 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
     port = _free_port(port)
     env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": str(scheduler_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    prefect = Path(sys.executable).with_name("prefect")
+    prefect_bin = Path(sys.executable).with_name("prefect")
     # a session of its own: stopping it stops its uvicorn workers too (evertrain.processes)
-    process = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    process = subprocess.Popen([str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout
@@ -74,8 +85,6 @@ def start_temporary_server() -> Any | None:
     it running, and a Ctrl-C no longer stops it before the run has reported its end. Prefect's own client finds and
     uses it (one temporary server per process). None when a server is configured (``PREFECT_API_URL``, a profile)
     or temporary servers are off. Call it from the main thread: the tie is to the thread that starts it."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
     server = _tied_server_class()()
@@ -84,9 +93,8 @@ def start_temporary_server() -> Any | None:
 
 
 def _tied_server_class() -> type:
-    import prefect
+    # late: Prefect's server package (~3 s); only the temporary server uses it
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import get_current_settings
 
     class TiedServer(SubprocessASGIServer):
         """Prefect's SubprocessASGIServer (prefect 3.9's command, unchanged) started with :func:`processes.tied_to`."""
@@ -106,6 +114,7 @@ def _tied_server_class() -> type:
 def stop_temporary_server() -> None:
     """Stop the temporary server this process started (a second stop signal: nothing is reported any more)."""
     with contextlib.suppress(Exception):
+        # late: Prefect's server package (~3 s); only the temporary server uses it
         from prefect.server.api.server import SubprocessASGIServer
 
         for server in list(SubprocessASGIServer._instances.values()):
@@ -121,9 +130,7 @@ def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
 def build_deployment(config: CampaignConfig, *, interval: float | None = None, cron: str | None = None,
                      iterations_per_run: int = 1) -> Any:
     """The Prefect deployment of ``config``'s campaign on a schedule."""
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-    from prefect.deployments.runner import EntrypointType
-
+    # late: torch (the campaign flow); `evertrain serve` starts and stops the Prefect server without it
     from evertrain.flows.campaign import campaign_flow
 
     if interval is not None and cron is not None:
@@ -143,12 +150,8 @@ def build_deployment(config: CampaignConfig, *, interval: float | None = None, c
 def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron: str | None = None,
           iterations_per_run: int = 1) -> None:
     """Serve every campaign's deployment from this process until interrupted."""
-    from prefect import serve as prefect_serve
-
     if interval is None and cron is None:
         raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
-    from evertrain import promises
-
     for config in configs:  # the operator's config, what runs from the deployment must keep (evertrain.promises)
         promises.record(config)
     deployments = [build_deployment(c, interval=interval, cron=cron, iterations_per_run=iterations_per_run)
@@ -159,10 +162,6 @@ def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron:
 
 def ensure_work_pool(pool: str, pool_type: str = "process", concurrency: int | None = None) -> None:
     """Create work pool ``pool`` of ``pool_type`` (process here; docker or kubernetes in production) if missing."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-
     # already there: keep it as its owner configured it
     with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
         client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, concurrency_limit=concurrency))
@@ -178,8 +177,6 @@ def deploy(configs: list[CampaignConfig], *, pool: str, interval: float | None =
     last line of defence. The entrypoint is the installed module ``evertrain.flows.campaign``, so a
     worker needs only this package installed (a Docker or Kubernetes pool: an image with it).
     """
-    from evertrain import promises
-
     ensure_work_pool(pool)
     ids = []
     for config in configs:
@@ -197,11 +194,6 @@ def build_endpoint_deployment(config: CampaignConfig, *, host: str | None = None
     No schedule: a run is started from the UI, the API or ``prefect deployment run 'endpoint/endpoint-<name>'``.
     A concurrency limit of one keeps a second endpoint of the campaign from starting on the same port.
     """
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-    from prefect.deployments.runner import EntrypointType
-
-    from evertrain.serving.flow import endpoint_flow
-
     return endpoint_flow.to_deployment(
         name=f"endpoint-{config.name}",
         parameters={"config": config.resolved().model_dump(mode="json"), "host": host, "port": port},
@@ -219,11 +211,6 @@ def build_drift_deployment(config: CampaignConfig, interval: float | None = None
 
     A concurrency limit of one, cancelling a new check while one runs: checks never pile up behind a slow store.
     """
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-    from prefect.deployments.runner import EntrypointType
-
-    from evertrain.drift import drift_flow
-
     drift = config.drift
     return drift_flow.to_deployment(
         name=f"drift-{config.name}",
@@ -241,10 +228,6 @@ def build_drift_deployment(config: CampaignConfig, interval: float | None = None
 def serve_flywheel(config: CampaignConfig, *, monitor_interval: float | None = None) -> None:
     """Serve the campaign's deployment without a schedule (only the drift monitor starts it) and the drift
     monitor on its interval, from this process until interrupted (the drift demo, evertrain.flywheel)."""
-    from prefect import serve as prefect_serve
-
-    from evertrain import promises
-
     promises.record(config)  # what the drift runs of the deployment must keep
     prefect_serve(build_deployment(config, iterations_per_run=config.drift.iterations),
                   build_drift_deployment(config, interval=monitor_interval), limit=2)

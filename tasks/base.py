@@ -8,6 +8,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from prefect.runtime import flow_run
+
 from evertrain import faults, interrupts
 from evertrain.data.lineage import diversity_metrics, sample_rollouts
 from evertrain.data.store import now
@@ -24,8 +26,6 @@ StageFunction = Callable[[Runtime, int], dict[str, Any]]
 
 def current_flow_run_id() -> str | None:
     try:
-        from prefect.runtime import flow_run
-
         return flow_run.id
     except Exception:
         return None

@@ -37,8 +37,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig
+from evertrain.curriculum import broad_guard, ensure_broad, gate_problems
 from evertrain.curriculum import candidates as curriculum_candidates
-from evertrain.curriculum import gate_problems
+from evertrain.curriculum import record as record_levels
 from evertrain.data.store import now, to_json
 from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem
@@ -46,7 +47,9 @@ from evertrain.envs.quality import Majority, NgramIndex, answer_majority, hackab
 from evertrain.frontier import Plan, Selection, curated_metrics, guide
 from evertrain.frontier import plan as frontier_plan
 from evertrain.frontier import record as frontier_record
+from evertrain.mix import record
 from evertrain.runtime import Runtime, seed_for
+from evertrain.serving.trace_source import trace_rows
 from evertrain.tasks.base import allocate, run_stage
 
 RULES = ("duplicate", "near_duplicate", "contaminated", "guessable", "hackable", "too_easy", "too_hard",
@@ -132,8 +135,6 @@ def select(rt: Runtime, iteration: int, env: Environment, candidates: list[Probl
     rules = rt.config.curation
     held_ids, held_index = _held_out_index(rt.config.model_dump_json())
     history = attempt_history(rt, iteration, [p.id for p in candidates], rules.history_k)
-    from evertrain.curriculum import broad_guard
-
     broad, broad_index = broad_guard(rt)  # the broad sealed set (evertrain.curriculum): held out like the gate's
     # a problem a wrong or constant answer passes teaches the policy that answer (evertrain.envs.quality)
     # an environment whose answers are a few classes pays a constant answer on each of its items alike
@@ -196,14 +197,9 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
     config, rules = rt.config, rt.config.curation
     mix_metrics: dict[str, Any] = {}
     if config.mix.adaptive:  # shares follow each environment's learnability now (evertrain.mix), logged per iteration
-        from evertrain.mix import record
-
         shares, mix_metrics = record(rt, iteration)
     else:
         shares = allocate(config.problems_per_iteration, [spec.weight for spec in config.environments])
-    from evertrain.curriculum import ensure_broad
-    from evertrain.curriculum import record as record_levels
-
     ensure_broad(rt)  # drawn once, at the campaign's first curate, before anything could train on it
     if config.curriculum.enabled:  # each environment's level for this iteration, stored before the draw
         mix_metrics.update(record_levels(rt, iteration)[1])
@@ -226,9 +222,6 @@ def curate(rt: Runtime, iteration: int) -> dict[str, Any]:
         rows += [problem_row(rt, iteration, env, p, chosen=selection.plans.get(p.id)) for p in kept]
         metrics[f"problems_{spec.name}"] = len(kept)
     if config.serving.curate_from_traces:  # the endpoint's verifiable traces, failures first (evertrain.serving)
-        from evertrain.curriculum import broad_guard
-        from evertrain.serving.trace_source import trace_rows
-
         held_ids, held_index = _held_out_index(config.model_dump_json())
         broad, broad_index = broad_guard(rt)  # no trace may enter the broad sealed set either
         rows += trace_rows(rt, taken, metrics, (set(held_ids) | set(broad), _EitherIndex(held_index, broad_index)),

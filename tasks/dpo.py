@@ -25,6 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from datasets import Dataset
+from peft import PeftModel
+from trl import DPOConfig, DPOTrainer
+
 from evertrain.config import SftConfig
 from evertrain.data.queries import DEFAULT_DPO_SELECT, DEFAULT_SFT_SELECT
 from evertrain.runtime import Runtime
@@ -53,8 +58,6 @@ class PairCollator:
     pad_id: int
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        import torch
-
         rows = [(e["prompt_ids"] + e[f"{side}_ids"], [0] * len(e["prompt_ids"]) + e[f"{side}_mask"])
                 for side in ("chosen", "rejected") for e in examples]
         width = max(len(ids) for ids, _ in rows)
@@ -88,10 +91,6 @@ def pair_rows(frame: Any, prompt_of: Callable[[Any], list[int]]) -> list[dict[st
 def train_dpo(rt: Runtime, iteration: int, model: Any, tokenizer: Any, rows: list[dict[str, list[int]]],
               stage: str) -> dict[str, Any]:
     """Train ``model`` in place on the pairs ``rows`` with TRL's DPOTrainer; returns the stage's metrics."""
-    from datasets import Dataset
-    from peft import PeftModel
-    from trl import DPOConfig, DPOTrainer
-
     class TokenizedDPOTrainer(DPOTrainer):
         """DPOTrainer on pairs already tokenized (the store's token ids): nothing is re-tokenized from text."""
 

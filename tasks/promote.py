@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
 from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from evertrain.approval import request_approval
 from evertrain.config import PromotionConfig
+from evertrain.data.lineage import iteration_report, sealed_curve
 from evertrain.data.store import StoreError, now, to_json
+from evertrain.plots import progress_figure
 from evertrain.runtime import Runtime, seed_for
+from evertrain.serving.auth import actor_name
 from evertrain.stats import paired_bootstrap, z_statistic
-from evertrain.tasks.base import run_stage
+from evertrain.tasks.base import current_flow_run_id, run_stage
 from evertrain.tasks.evaluate import challenger_of, champion_of, evaluate_sealed, stage_metrics
 
 
@@ -98,12 +104,8 @@ def _consecutive_failures(rt: Runtime, iteration: int) -> int:
 
 def _publish_artifacts(rt: Runtime, iteration: int, decision: dict[str, Any], challenger: int,
                        champion: int) -> None:
-    from evertrain.tasks.base import current_flow_run_id
-
     if current_flow_run_id() is None:
         return
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
     key = f"{rt.campaign}-iteration-{iteration}".lower().replace("_", "-")
     rows = [{"environment": env, "challenger pass@1": round(v["challenger"], 4),
              "champion pass@1": round(v["champion"], 4), "problems": v["problems"]}
@@ -121,11 +123,6 @@ def _publish_artifacts(rt: Runtime, iteration: int, decision: dict[str, Any], ch
 
 def _log_figure(rt: Runtime, iteration: int, run_id: str) -> None:
     """The campaign's progress so far, as a figure on this iteration's MLflow run."""
-    import matplotlib.pyplot as plt
-
-    from evertrain.data.lineage import iteration_report, sealed_curve
-    from evertrain.plots import progress_figure
-
     rows = [r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] <= iteration]
     sealed = [p for p in sealed_curve(rt.store, rt.campaign) if p["iteration"] <= iteration]
     figure = progress_figure(rows, f"campaign {rt.campaign} after iteration {iteration}", sealed)
@@ -233,10 +230,6 @@ def rollback(rt: Runtime, to_version: int | None = None, reason: str = "manual r
     champion (a challenger the gate refused, or one never gated) is restored only with ``allow_unpromoted``;
     the rollback records ``actor`` (default: the OS user), the machine, and whether it was such a version.
     """
-    import socket
-
-    from evertrain.serving.auth import actor_name
-
     current = rt.champion_version()
     target = to_version if to_version is not None else rt.previous_champion_version()
     if target is None:

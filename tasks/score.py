@@ -22,10 +22,12 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.data.store import now, to_json
 from evertrain.envs.base import Problem
+from evertrain.frontier import score_metrics
 from evertrain.progress import progress
 from evertrain.runtime import Runtime
 from evertrain.scoring import grader_errors, pop_sandbox_runs
 from evertrain.tasks.base import run_stage
+from evertrain.tasks.dynamic_sampling import drop_refills, refill
 
 
 def score(rt: Runtime, iteration: int) -> dict[str, Any]:
@@ -65,13 +67,9 @@ def score(rt: Runtime, iteration: int) -> dict[str, Any]:
     for env, rewards in frame.groupby("env")["reward"]:
         metrics[f"mean_reward_{env}"] = float(rewards.mean())
     if rt.config.frontier.enabled:  # bare and guided groups apart (evertrain.frontier)
-        from evertrain.frontier import score_metrics
-
         metrics.update(score_metrics(frame.assign(passed=scores["passed"].to_numpy())))
     # DAPO's dynamic sampling (update.dynamic_sampling_draws): refill the zero-variance groups' places with
     # informative groups of fresh problems, a bounded number of rounds; their rows are this stage's own
-    from evertrain.tasks.dynamic_sampling import drop_refills, refill
-
     if rt.config.update.refill_draws:
         metrics.update(refill(rt, iteration, frame))
     else:

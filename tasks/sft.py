@@ -33,11 +33,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from datasets import Dataset
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from trl import SFTConfig, SFTTrainer
 
+from evertrain.models.checkpoint import encode_chat, load_policy, save_checkpoint
 from evertrain.runtime import Runtime, seed_for
 from evertrain.tasks.base import run_stage
+from evertrain.tasks.dpo import pair_rows, select_pairs, train_dpo
 from evertrain.tasks.warm_start import (  # noqa: F401  (checkpoint_dir, checkpoint_for: the stage's API)
     checkpoint_dir,
     checkpoint_for,
@@ -73,8 +78,6 @@ def prompt_ids_for(row: Any, tokenizer: Any, prompt: str) -> list[int]:
     without worked examples, re-encoded."""
     if prompt != "bare":
         return [int(t) for t in row.prompt_ids]
-    from evertrain.models.checkpoint import encode_chat
-
     # context distillation: the same completion after the prompt without examples
     if not isinstance(row.messages, str):
         raise ValueError(f"sft.prompt = 'bare': problem {row.problem_id} of iteration {row.iteration} "
@@ -86,12 +89,7 @@ def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
     config, cfg = rt.config, rt.config.sft
     dpo = cfg.method == "dpo"
     start_version = start_version_of(rt, iteration)
-    if dpo:
-        from evertrain.tasks.dpo import select_pairs
-
-        frame = select_pairs(rt, iteration)
-    else:
-        frame = select(rt, iteration)
+    frame = select_pairs(rt, iteration) if dpo else select(rt, iteration)
     path = checkpoint_dir(rt, iteration)
     examples = [{"campaign": rt.campaign, "iteration": iteration, "source_iteration": int(row.iteration),
                  "problem_id": row.problem_id, "sample": int(row.sample), "env": row.env,
@@ -105,10 +103,6 @@ def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
                else "sft.select chose no rollouts")
         return {"selected": 0, "start_version": start_version, "steps": 0, **({"pairs": 0} if dpo else {}),
                 "skipped": f"{why}: the update starts from the trainee"}
-
-    import torch
-
-    from evertrain.models.checkpoint import load_policy, save_checkpoint
 
     torch.manual_seed(seed_for(config.seed, iteration, STAGE, "init"))
     model, tokenizer = load_policy(rt.checkpoint(start_version), trainable=True, lora=config.update.lora,
@@ -124,8 +118,6 @@ def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
         return prompt
 
     if dpo:
-        from evertrain.tasks.dpo import pair_rows, train_dpo
-
         metrics = train_dpo(rt, iteration, model, tokenizer, pair_rows(frame, prompt_of), STAGE)
     else:
         metrics = _train_sft(rt, iteration, model, tokenizer, frame, prompt_of)
@@ -141,9 +133,6 @@ def sft(rt: Runtime, iteration: int) -> dict[str, Any]:
 def _train_sft(rt: Runtime, iteration: int, model: Any, tokenizer: Any, frame: Any,
                prompt_of: Callable[[Any], list[int]]) -> dict[str, Any]:
     """Train ``model`` in place on the selected rollouts with TRL's SFTTrainer; returns the stage's metrics."""
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
     cfg = rt.config.sft
     rows = []
     trained_tokens = 0

@@ -63,6 +63,7 @@ from prefect.cache_policies import NO_CACHE
 
 from evertrain.config import CampaignConfig, UpdateConfig
 from evertrain.models.checkpoint import load_policy, save_checkpoint
+from evertrain.models.data_parallel import launch, write_spec
 from evertrain.models.grpo import (
     Group,
     LogProbs,
@@ -358,8 +359,6 @@ def _train_data_parallel(rt: Runtime, iteration: int, groups: list[Group], sched
                          source: Path, seed: int, longest: int, optimizer_file: Path | None,
                          device: torch.device) -> tuple[dict[str, Any], Path]:
     """The schedule's steps in ``update.processes`` processes; their report and the folder of their checkpoint."""
-    from evertrain.models.data_parallel import launch, write_spec
-
     config, cfg = rt.config, rt.config.update
     scratch = rt.checkpoint_dir(iteration).with_name(f"iteration-{iteration}.data-parallel")
     if scratch.exists():

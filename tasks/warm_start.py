@@ -6,10 +6,15 @@ One module below all three, so that none of them imports another (the layering t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers.trainer_callback import PrinterCallback
+
+from evertrain.models.precision import update_precision
 from evertrain.runtime import Runtime, seed_for
 
 SFT_STAGE = "sft"
@@ -49,10 +54,6 @@ def quiet_trainer(trainer: Any) -> Any:
     """``trainer`` without the callback that prints every log entry as a raw dictionary (what a TRL trainer does
     with its progress bar off); its ``state.log_history`` still holds them. ``EVERTRAIN_VERBOSE=1``
     (`evertrain run --verbose`) keeps them."""
-    import os
-
-    from transformers.trainer_callback import PrinterCallback
-
     if os.environ.get("EVERTRAIN_VERBOSE") != "1":
         trainer.remove_callback(PrinterCallback)
     return trainer
@@ -61,10 +62,6 @@ def quiet_trainer(trainer: Any) -> Any:
 def trainer_arguments(rt: Runtime, iteration: int, model: Any, stage: str) -> dict[str, Any]:
     """The TRL training arguments the sft and dpo methods share: seeded, constant learning rate, no saving,
     and the update's precision and gradient checkpointing (not TRL's defaults, which turn both on)."""
-    import torch
-
-    from evertrain.models.precision import update_precision
-
     config, cfg = rt.config, rt.config.sft
     device = next(model.parameters()).device
     return {

@@ -43,15 +43,25 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
+import uvicorn
+from fastapi import FastAPI, Request  # FastAPI resolves the handlers' (string) annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from evertrain.config import CampaignConfig
+from evertrain.data.lineage import live_pass_rate_over_time, live_pass_rates
 from evertrain.data.store import Store, now, to_json
+from evertrain.envs import registry
 from evertrain.envs.base import Environment, Problem, ToolResult
-from evertrain.envs.tools import format_tool_result
+from evertrain.envs.registry import UnknownEnvironment
+from evertrain.envs.tools import format_tool_result, parse_tool_call, stop_strings
+from evertrain.plots import live_pass_rate_figure
+from evertrain.portable import resolve_under
 from evertrain.serving import auth, guard
 from evertrain.serving.batching import Batcher, Job
 from evertrain.serving.connections import ConnectionStats, guarded_protocol
@@ -98,6 +108,8 @@ class Champion:
     """The served version, swapped by a watcher thread when the store's champion moves."""
 
     def __init__(self, config: CampaignConfig, store: Store, keep_loaded: int = 2) -> None:
+        # late: torch and MLflow (the model, the tracker): the endpoint's HTTP layer and its tests import this module
+        # without them
         from evertrain.runtime import Runtime
         from evertrain.tracking import Tracker
 
@@ -137,6 +149,7 @@ class Champion:
         if version in self._loaded:
             self._loaded.move_to_end(version)
             return self._loaded[version]
+        # late: torch (the model files); the endpoint's HTTP layer imports this module without it
         from evertrain.models.precision import resolve_device
 
         # the campaign's inference serves it: on the backend's own servers where it has them (vLLM's OpenAI server)
@@ -180,8 +193,8 @@ class Champion:
     def _digest(self, version: int) -> str | None:
         """The content digest of ``version``'s local checkpoint folder (None when it is not local or unknown):
         a failed version is tried again at once when its content changes."""
+        # late: torch (the model files); the endpoint's HTTP layer imports this module without it
         from evertrain.models.checkpoint import checkpoint_digest
-        from evertrain.portable import resolve_under
 
         try:
             row = self.rt.store.model_version(self.config.name, version)
@@ -269,6 +282,7 @@ class Endpoint:
     """The endpoint's state: config, store, champion, trace writer, and the executors that do the work."""
 
     def __init__(self, config: CampaignConfig, store: Store | None = None) -> None:
+        # late: torch (the model files); the endpoint's HTTP layer imports this module without it
         from evertrain.models.precision import set_threads
 
         self.config = config
@@ -328,8 +342,6 @@ class Endpoint:
         """Log the live pass rate per environment and tool to MLflow (run 'endpoint'): the served version's
         as ``live_pass_rate/<env>/<tool>``, every version's as ``live_pass_rate/v<N>/<env>/<tool>``, and the
         plot over time as the artifact ``live_pass_rate.png``; returns the metrics logged."""
-        from evertrain.data.lineage import live_pass_rates
-
         served = self.champion.current
         if served is None:
             return {}
@@ -357,10 +369,8 @@ class Endpoint:
         return metrics
 
     def _log_live_plot(self, tracker: Any) -> None:
+        # late: matplotlib (~0.5 s), after plots' figure chose the Agg backend
         import matplotlib.pyplot as plt
-
-        from evertrain.data.lineage import live_pass_rate_over_time
-        from evertrain.plots import live_pass_rate_figure
 
         series = live_pass_rate_over_time(self.store, self.config.name)
         if not series:
@@ -400,8 +410,6 @@ class Endpoint:
         with self._env_lock:
             if name not in self._envs:
                 spec = next((s for s in self.config.environments if s.name == name), None)
-                from evertrain.envs import registry
-
                 self._envs[name] = registry.get(name, **(spec.options if spec else {}))
             return self._envs[name]
 
@@ -460,8 +468,6 @@ class Endpoint:
             raise ApiError(400, f"unknown environment {name!r}: campaign {self.config.name!r} has "
                            f"{', '.join(campaign)}; a request may name only these", code="unknown_env",
                            param="evertrain.env")
-        from evertrain.envs.registry import UnknownEnvironment
-
         try:
             env = self.env(name)
         except UnknownEnvironment as error:
@@ -573,7 +579,7 @@ class Endpoint:
     # --- generation --------------------------------------------------------------------------------
     def generate(self, request: ChatRequest, served: Served, draft: Draft) -> dict[str, Any]:
         """Sample the answer with ``served`` (the one model this request sees) and build the response."""
-        from evertrain.envs.tools import parse_tool_call, stop_strings
+        # late: torch (the model files); the endpoint's HTTP layer imports this module without it
         from evertrain.models.checkpoint import encode_chat
 
         with self._encode_lock:
@@ -620,6 +626,7 @@ class Endpoint:
         draft.cached_tokens = int(stats.cached_prompt_tokens)
         draft.completion_tokens = int(stats.completion_tokens)
         draft.finish_reason = choices[0]["finish_reason"]
+        # late: torch; the endpoint's HTTP layer imports this module without it
         import torch
 
         draft.cost_usd = request_cost(self.config, computed_tokens=len(prompt) - draft.cached_tokens
@@ -885,13 +892,6 @@ async def _bounded_body(request: Any, limit: int, seconds: float | None = None) 
 
 def create_app(endpoint: Endpoint) -> Any:
     """The FastAPI application over ``endpoint`` (started and stopped with the server's life span)."""
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
         if endpoint.champion.current is None:
@@ -1074,8 +1074,6 @@ class EndpointServer:
 
     def __init__(self, config: CampaignConfig, host: str | None = None, port: int | None = None,
                  store: Store | None = None, endpoint: Endpoint | None = None) -> None:
-        import uvicorn
-
         auth.check_listen(config.serving.auth, host or config.serving.host)
         self.endpoint = Endpoint(config, store) if endpoint is None else endpoint
         self.app = create_app(self.endpoint)
@@ -1112,8 +1110,6 @@ class EndpointServer:
 
 def serve(config: CampaignConfig, host: str | None = None, port: int | None = None) -> None:
     """Serve ``config``'s champion until interrupted (``evertrain endpoint``)."""
-    import uvicorn
-
     host = host or config.serving.host
     auth.check_listen(config.serving.auth, host)
     endpoint = Endpoint(config)

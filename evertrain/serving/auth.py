@@ -40,6 +40,9 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
+from evertrain.config import ConfigError, is_loopback
 from evertrain.data.store import Store, now
 
 log = logging.getLogger("evertrain.serving")
@@ -235,8 +238,6 @@ class AuthMiddleware:
         key = self.keys.cached(digest)
         if key is not None:
             return key
-        from starlette.concurrency import run_in_threadpool
-
         return await run_in_threadpool(self.keys.read, digest)  # off the event loop: a store read can wait
 
     async def _refuse(self, send: Send, status: int, message: str, code: str,
@@ -253,8 +254,6 @@ class AuthMiddleware:
 def check_listen(auth: str, host: str) -> None:
     """Refuse (ConfigError) to serve without keys beyond loopback: what config validation says of
     ``serving.host``, for a host given on the command line (``evertrain endpoint --host``)."""
-    from evertrain.config import ConfigError, is_loopback
-
     if auth == "none" and not is_loopback(host):
         raise ConfigError(f"serving.auth = 'none' with --host {host!r}: an endpoint without keys may listen only on "
                           "a loopback address (127.0.0.1, ::1, localhost); use serving.auth = 'keys' and "

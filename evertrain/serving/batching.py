@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from evertrain.inference.base import SamplingStats
+
 log = logging.getLogger("evertrain.serving")
 
 
@@ -122,8 +124,6 @@ class Batcher:
                 job.future.set_exception(error)
 
     def _call(self, batch: list[Job]) -> None:
-        from evertrain.inference.base import SamplingStats
-
         first = batch[0]
         try:
             groups, stats = first.served.sampler.sample(

@@ -21,6 +21,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
 log = logging.getLogger("evertrain.serving")
 
 
@@ -43,8 +45,6 @@ def _refusal(max_connections: int) -> bytes:
 def guarded_protocol(header_seconds: float, max_connections: int, stats: ConnectionStats) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class (``httptools`` when installed, else ``h11``) with the header deadline and the
     connection bound; pass it as ``uvicorn.Config(http=...)``."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
     refusal = _refusal(max_connections)
 
     class Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]

@@ -6,13 +6,12 @@ from __future__ import annotations
 from prefect import flow
 
 from evertrain.config import CampaignConfig
+from evertrain.quiet import quiet_libraries
+from evertrain.serving.app import serve
 
 
 @flow(name="endpoint", log_prints=True)
 def endpoint_flow(config: CampaignConfig, host: str | None = None, port: int | None = None) -> None:
     """Serve the campaign's champion (OpenAI-compatible chat completions) until the run is cancelled."""
-    from evertrain.quiet import quiet_libraries
-    from evertrain.serving.app import serve
-
     quiet_libraries()
     serve(config, host=host, port=port)

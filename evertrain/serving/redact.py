@@ -13,6 +13,8 @@ whole (fail closed).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 from typing import Any
 
@@ -86,9 +88,6 @@ def _card(match: Any) -> bool:
 
 
 def _basic(match: Any) -> bool:
-    import base64
-    import binascii
-
     try:
         decoded = base64.b64decode(match.group("secret"), validate=True).decode("utf-8")
     except (binascii.Error, ValueError):

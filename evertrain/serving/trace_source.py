@@ -29,17 +29,20 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from functools import cache
 from typing import Any
 
+from evertrain.config import CampaignConfig
+from evertrain.curriculum import gate_problems
 from evertrain.data.store import now
+from evertrain.envs import registry
 from evertrain.envs.base import SEALED_SPLITS, Problem
+from evertrain.envs.quality import normal_prompt
 from evertrain.runtime import Runtime
 
 
 def _normal(prompt: str) -> str:
-    from evertrain.envs.quality import normal_prompt
-
     return normal_prompt(prompt)
 
 
@@ -49,10 +52,6 @@ def _held_prompts(config_json: str) -> frozenset[tuple[str, str]]:
     (a content hash then differs), but the gate's question itself must never be trained on.
 
     Cached by the config's JSON: a pure function of it (environments built here, no store or connection kept)."""
-    from evertrain.config import CampaignConfig
-    from evertrain.curriculum import gate_problems
-    from evertrain.envs import registry
-
     config = CampaignConfig.model_validate_json(config_json)
     held = set()
     for spec in config.environments:
@@ -68,8 +67,6 @@ def trace_problems(rt: Runtime, taken: set[str], held_out: tuple[set[str], Any],
     """Up to ``limit`` (default ``serving.trace_problems``) training problems from verifiable traces, failures
     first; ``taken`` (problem ids already chosen) grows with each one kept; ``dropped`` counts why others were not.
     ``held_out`` is curation's (ids, n-gram index) of the gate's and sealed problems, which no trace may enter."""
-    from datetime import timedelta
-
     serving = rt.config.serving
     limit = serving.trace_problems if limit is None else limit
     dropped = {} if dropped is None else dropped

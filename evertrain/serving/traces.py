@@ -34,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from evertrain.config import CampaignConfig
-from evertrain.data.store import Store, now
+from evertrain.data.store import Store, now, to_json
 from evertrain.serving.journal import REPLAY_KEYS, Journal
 from evertrain.serving.redact import storable
 
@@ -290,7 +290,5 @@ class TraceWriter:
 
 def feedback_row(trace_id: str, campaign: str, source: str, passed: bool, reward: float | None,
                  detail: Any) -> dict[str, Any]:
-    from evertrain.data.store import to_json
-
     return {"trace_id": trace_id, "campaign": campaign, "source": source, "passed": bool(passed),
             "reward": None if reward is None else float(reward), "detail": to_json(detail), "created_at": now()}
