@@ -16,6 +16,10 @@ are read here from the source with ``ast``, function-local imports included:
   it, and the report (``evertrain.report``) does not import the endpoint (``evertrain.serving``).
 - nothing imports the CLI (it is the outermost shell).
 - no import cycles between modules.
+- a first-party import inside a function says why it is there: a comment with the word ``late`` on the import's
+  line or on the comment lines just above its block of imports (``# late: torch; --help must not import it``,
+  ``# late: breaks the cycle a -> b``); every other first-party import is at the module's top
+  (:func:`unexplained_local_imports`; :data:`LATE_PENDING` lists the modules not yet held to it).
 - no SQL outside the store: only ``evertrain/data/`` holds SQL statements (string literals that begin with
   SELECT, INSERT INTO, UPDATE .. SET, DELETE FROM, CREATE, ALTER, DROP or WITH .. AS), except the modules
   in :data:`SQL_ALLOWED` (SQL that is a task's content, not the store's) and :data:`SQL_PENDING`.
@@ -244,6 +248,85 @@ def sql_outside_the_store(root: Path, allowed: set[str] = SQL_ALLOWED | SQL_PEND
             continue
         broken += [f"{name}:{line}: {text}" for line, text in sql_statements(path.read_text(), str(path))]
     return broken
+
+
+LATE_MARK = "late"  # the word a comment beside (or just above) a function-local first-party import carries
+# modules other changes are editing now, not yet held to the rule: the learner's and inference's packages, and
+# three modules with uncommitted work in progress (remove each when its local imports are explained or hoisted)
+LATE_PENDING = {"evertrain.models", "evertrain.inference", "evertrain.curriculum", "evertrain.envs.openenv_env",
+                "evertrain.envs.verifiers_env"}
+
+
+def _first_party(node: ast.Import | ast.ImportFrom) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "evertrain" for alias in node.names)
+    return bool(node.level) or (node.module or "").split(".")[0] == "evertrain"
+
+
+def local_import_comments(source: str, filename: str = "<string>") -> list[tuple[int, bool]]:
+    """(line, explained) for every first-party import inside a function: explained when a comment holding
+    :data:`LATE_MARK` is on one of its lines or on the comment lines just above the block of imports it is in."""
+    lines = source.splitlines()
+    tree = ast.parse(source, filename)
+    local: dict[int, ast.Import | ast.ImportFrom] = {}
+    for function in ast.walk(tree):
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    local[node.lineno] = node
+    by_line = {line: node for node in local.values() for line in range(node.lineno, (node.end_lineno or 0) + 1)}
+    found = []
+    for node in sorted(local.values(), key=lambda n: n.lineno):
+        if not _first_party(node):
+            continue
+        own = [lines[i - 1] for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)]
+        start = node.lineno
+        while start - 1 in by_line:  # up the block of imports this one is in
+            start = by_line[start - 1].lineno
+        above = []
+        while start - 1 >= 1 and lines[start - 2].strip().startswith("#"):
+            above.append(lines[start - 2])
+            start -= 1
+        comments = [text.partition("#")[2] for text in own if "#" in text] + above
+        found.append((node.lineno, any(LATE_MARK in comment.lower() for comment in comments)))
+    return found
+
+
+def unexplained_local_imports(root: Path, pending: set[str] = LATE_PENDING) -> list[str]:
+    """'module:line' of every function-local first-party import without a ``late`` comment."""
+    return [f"{name}:{line}" for name, path in sorted(modules(root).items()) if not within(name, pending)
+            for line, explained in local_import_comments(path.read_text(), str(path)) if not explained]
+
+
+def test_every_local_first_party_import_says_why() -> None:
+    """A first-party import inside a function breaks a real cycle or keeps something heavy out of a module that
+    must stay light (the CLI, config validation, the sandbox's workers), and says so: ``# late: ...``."""
+    found = unexplained_local_imports(ROOT)
+    assert found == [], ("function-local first-party imports without a `# late: why` comment (move them to the "
+                         "module's top, or say why they are late):\n" + "\n".join(found))
+
+
+def test_an_unexplained_local_import_fails_the_check(tmp_path: Path) -> None:
+    """The rule catches an uncommented function-local first-party import (a test of the test: it can fail), and
+    passes explained ones, third-party ones and top-level ones."""
+    planted = {
+        "evertrain/report.py": "def f():\n    from evertrain.data.store import Store\n",  # unexplained
+        # a comment that gives no reason, on a relative import
+        "tasks/score.py": "def g():\n    # the frontier's metrics\n    from ..frontier import score_metrics\n",
+        "evertrain/cli.py": "import json\nfrom evertrain import interrupts\n\n\n"  # top level: fine
+                            "def h():\n    # late: torch; --help must not import it\n"
+                            "    from evertrain.runtime import Runtime\n"  # explained above its block
+                            "    from evertrain.tasks import run_stage\n\n"  # the same block: explained
+                            "    import torch\n",  # third-party: not this rule's
+        "evertrain/approval.py": "def k():\n    from evertrain.tasks.base import x  # late: breaks a cycle\n"
+                                 "    y = 1\n    from evertrain.stats import wilson\n",  # after code: its own block
+        "models/grpo.py": "def m():\n    from evertrain.models.checkpoint import load\n",  # pending: not held
+    }
+    root = _tree(tmp_path, planted)
+    found = unexplained_local_imports(root, pending={"evertrain.models"})
+    assert found == ["evertrain.approval:4", "evertrain.report:2", "evertrain.tasks.score:3"], found
+    assert unexplained_local_imports(root, pending=set())[0] == "evertrain.approval:4"
+    assert "evertrain.models.grpo:2" in unexplained_local_imports(root, pending=set())
 
 
 def test_no_sql_outside_the_store() -> None:
