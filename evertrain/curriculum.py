@@ -74,7 +74,9 @@ transfer splits (``evals.split = 'broad'``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -83,8 +85,12 @@ from functools import cached_property
 from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
+from evertrain.data.store import now, to_json
 from evertrain.envs.base import Environment, Problem, replies_of
 from evertrain.envs.declared import describe as describe_options
+from evertrain.envs.quality import NgramIndex
+from evertrain.envs.reasoning_gym import ReasoningGym
+from evertrain.envs.terminal_levels import task_names
 
 if TYPE_CHECKING:
     from evertrain.config import CampaignConfig
@@ -237,8 +243,6 @@ class TerminalLadder(Ladder):
         return self.env.generated_problems(names, "train")
 
     def problems(self, level: int, n: int, seed: int, history: History) -> list[Problem]:
-        from evertrain.envs.terminal_levels import task_names
-
         self.check(level)
         if level == 0:
             return self.generated(task_names(n, seed))
@@ -258,6 +262,7 @@ class TerminalLadder(Ladder):
 class ReasoningGymLadder(Ladder):
     def __init__(self, env: Any) -> None:
         super().__init__(env)
+        # late: reasoning_gym (~1 s), only a reasoning-gym ladder asks it
         from reasoning_gym.factory import create_curriculum, has_curriculum
 
         self.curriculum = create_curriculum(env.generator) if has_curriculum(env.generator) else None
@@ -291,8 +296,6 @@ class ReasoningGymLadder(Ladder):
     def config(self, level: int) -> dict[str, Any]:
         """The generator config of ``level``: the configured one with the curriculum's attributes at
         min(level, their last level) (reasoning-gym's inclusive ranges: easier values stay in)."""
-        import dataclasses
-
         assert self.curriculum is not None
         for name, attr in self.curriculum.attributes.items():
             self.curriculum.set_attr_level(name, min(level, len(attr.levels) - 1))
@@ -304,8 +307,6 @@ class ReasoningGymLadder(Ladder):
 
     def level_env(self, level: int) -> Environment:
         if level not in self._envs:
-            from evertrain.envs.reasoning_gym import ReasoningGym
-
             self._envs[level] = ReasoningGym(self.env.generator, reward=self.env.reward_mode,
                                              config=self.config(level), eval_size=self.env.eval_size)
         return self._envs[level]
@@ -530,8 +531,6 @@ def decide(store: Any, campaign: str, iteration: int, env: str, ladder: Ladder, 
 def record(rt: Any, iteration: int) -> tuple[dict[str, int], dict[str, Any]]:
     """Decide every laddered environment's level for ``iteration``, store the ``curriculum`` rows (replacing
     a rerun's), and return {env: level} and the metrics for MLflow."""
-    from evertrain.data.store import now
-
     cfg = rt.config.curriculum
     rows, levels, metrics = [], {}, {}
     stamp = now()
@@ -565,6 +564,7 @@ def turn_limit_top(env: Environment, config: CampaignConfig) -> tuple[int, str |
     key = (config.model.path, config.model.models_dir, config.max_new_tokens(env.name), config.seed)
     cache = vars(env).setdefault("_curriculum_reach", {})
     if key not in cache:
+        # late: torch (through the runtime and the model files): `evertrain report` reads the levels without it
         from evertrain.models import ModelError
         from evertrain.models.checkpoint import load_tokenizer, resolve_base
         from evertrain.runtime import seed_for
@@ -587,8 +587,6 @@ def _reach(rt: Any, env_name: str) -> tuple[int, str | None]:
     top, capped = turn_limit_top(rt.env(env_name), rt.config)
     logged = vars(rt).setdefault("_curriculum_reach_logged", set())
     if capped and env_name not in logged:
-        import logging
-
         logged.add(env_name)
         logging.getLogger("evertrain").warning("%s curriculum: %s", env_name, capped)
     return top, capped
@@ -642,6 +640,7 @@ def gate_problems(env: Environment, config: CampaignConfig, rotation: int | None
 
 def _gate_strata(env: Environment, config: CampaignConfig) -> list[list[Problem]]:
     """The gate's whole held-out pool of ``env`` (every rotation's), one list per level, no problem twice."""
+    # late: torch (through the runtime and the model files): `evertrain report` reads the levels without it
     from evertrain.runtime import seed_for
 
     n = config.held_out_size(env.name)
@@ -679,7 +678,7 @@ def _gate_strata(env: Environment, config: CampaignConfig) -> list[list[Problem]
 def draw_broad(rt: Any) -> list[dict[str, Any]]:
     """The broad sealed set's rows: ``broad_per_level`` problems of every level of every environment and of
     its transfer split (a fixed data set: of its test split), none of them the gate's."""
-    from evertrain.data.store import now, to_json
+    # late: torch (through the runtime and the model files): `evertrain report` reads the levels without it
     from evertrain.runtime import seed_for
 
     config, per = rt.config, rt.config.curriculum.broad_per_level
@@ -726,8 +725,6 @@ def broad_ids(rt: Any) -> frozenset[str]:
 def broad_guard(rt: Any) -> tuple[frozenset[str], Any]:
     """What curation refuses for the broad sealed set: its ids, and the word n-grams of its natural-language
     problems (a data set's; the environment's boilerplate dropped), as for the gate's problems."""
-    from evertrain.envs.quality import NgramIndex
-
     ids = broad_ids(rt)
     cache = vars(rt).setdefault("_broad_guard", {})
     if ids not in cache:

@@ -51,8 +51,13 @@ import time
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
+from websockets.sync.client import connect, unix_connect
+
+from evertrain import processes
 from evertrain.envs import declared
 from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
+from evertrain.processes import in_spawner, tied_to
+from evertrain.sandbox.verifiers_worker import jail_argv
 
 EVAL_SEED_BASE = 1_000_000
 INTEGER = re.compile(r"-?[0-9]+")
@@ -142,9 +147,6 @@ class OpenEnvEnvironment(FixedSplits, Environment):
     def _start(self) -> subprocess.Popen[bytes]:
         """The package's app under uvicorn, in the rubric worker's jail (read-only file system, no network, its own
         PID namespace), serving on a Unix socket in a folder bound into the jail: the only way in or out."""
-        from evertrain.processes import in_spawner, tied_to
-        from evertrain.sandbox.verifiers_worker import jail_argv
-
         folder = tempfile.mkdtemp(prefix="evertrain-openenv-")
         self._socket = os.path.join(folder, "server.sock")
         parent = os.getpid()
@@ -191,8 +193,6 @@ class OpenEnvEnvironment(FixedSplits, Environment):
 
     @staticmethod
     def _stop(server: subprocess.Popen[bytes]) -> None:
-        from evertrain import processes
-
         processes.stop([server], first=15, timeout=10)
 
     def close(self) -> None:
@@ -211,8 +211,6 @@ class OpenEnvEnvironment(FixedSplits, Environment):
     # --- the protocol: one WebSocket session per exchange
 
     def _session(self) -> Any:
-        from websockets.sync.client import connect, unix_connect
-
         limits = {"open_timeout": self.timeout_s, "close_timeout": 2, "max_size": 16 * 1024 * 1024}
         if self._url is None:  # the server this environment runs, on its socket
             return unix_connect(self._ensure_server(), "ws://localhost/ws", **limits)

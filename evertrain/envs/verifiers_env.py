@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Literal
 
 from evertrain.envs import declared
 from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
+from evertrain.sandbox.verifiers_worker import LISTING_LIMIT, RubricError, RubricWorker
 
 PREFIX = "verifiers:"
 OWN_OPTIONS = ("path", "eval_share", "reward", "answer_field", "answer_format", "accept", "templated", "timeout_s",
@@ -117,8 +118,6 @@ class VerifiersEnvironment(FixedSplits, Environment):
     def worker(self) -> Any:
         """The rubric worker of this taskset and config, one per process: environments built twice share it, and
         it stops when the last of them closes."""
-        from evertrain.sandbox.verifiers_worker import RubricWorker
-
         key = (self.taskset, json.dumps(self.knobs, sort_keys=True), self.path)
         with _WORKERS_LOCK:
             if key not in _WORKERS:
@@ -145,8 +144,6 @@ class VerifiersEnvironment(FixedSplits, Environment):
 
     @cached_property
     def _listing(self) -> dict[str, Any]:
-        from evertrain.sandbox.verifiers_worker import LISTING_LIMIT, RubricError
-
         reply = self.worker.request({"op": "tasks"}, timeout_s=120.0, limit=LISTING_LIMIT)
         if not reply.get("ok"):
             raise RubricError(f"{self.name}: the taskset's tasks could not be listed: {reply.get('error')}")
