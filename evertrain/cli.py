@@ -166,7 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # and recorded below Python's handlers too: a KeyboardInterrupt raised inside a finalizer is dropped by Python,
     # so the stages also stop at their next boundary or progress step once a stop signal has come
     interrupts.watch()
-    # late: torch, Prefect (the training stack); --help and a bad config must not import them
+    # late: the deployments (the store; Prefect as they run); --help and a bad config load neither
     from evertrain.flows.deploy import start_temporary_server
 
     # without PREFECT_API_URL: Prefect's temporary server, started here and tied to this process (it dies with
@@ -642,7 +642,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     # late: pydantic; `evertrain --help` loads no third-party library
-    # late: torch, Prefect (the training stack); --help and a bad config must not import them
+    # late: the deployments (the store; Prefect as they run); --help and a bad config load neither
     from evertrain.config import load_config
     from evertrain.flows.deploy import deploy
 
@@ -669,14 +669,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = None
     if not os.environ.get("PREFECT_API_URL"):
         # scheduled runs need a real server (Prefect's temporary one runs no scheduler)
-        # late: torch, Prefect (the training stack); --help and a bad config must not import them
+        # late: the deployments (the store; Prefect as they run); --help and a bad config load neither
         from evertrain.flows.deploy import start_server
 
         url, server = start_server(args.port, scheduler_seconds=min(10.0, args.interval or 10.0))
         _SERVERS.append(server)
         os.environ["PREFECT_API_URL"] = url
         print(f"started a Prefect server: UI at {url.removesuffix('/api')}", file=sys.stderr)
-    # late: torch, Prefect (the training stack); --help and a bad config must not import them
+    # late: the deployments (the store; Prefect as they run); --help and a bad config load neither
     from evertrain.flows.deploy import serve
 
     names = ", ".join(c.name for c in configs)
@@ -691,7 +691,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(configs, interval=args.interval, cron=args.cron, iterations_per_run=args.iterations_per_run)
     finally:
         if server is not None:
-            # late: torch, Prefect (the training stack); --help and a bad config must not import them
+            # late: the deployments (the store; Prefect as they run); --help and a bad config load neither
             from evertrain.flows.deploy import stop_server
 
             stop_server(server)
@@ -710,7 +710,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     if _SIGNALLED:
         try:
             os.write(2, f"evertrain: a second stop signal ({signal.Signals(signum).name}): stopping now\n".encode())
-            # late: torch, Prefect (the training stack); --help and a bad config must not import them
+            # late: the deployments (the store; Prefect as they run); --help and a bad config load neither
             from evertrain.flows.deploy import stop_temporary_server
 
             stop_temporary_server()

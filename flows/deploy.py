@@ -26,19 +26,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import prefect
-from prefect import serve as prefect_serve
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
-from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-from prefect.deployments.runner import EntrypointType
-from prefect.exceptions import ObjectAlreadyExists
-from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings
-
 from evertrain import processes, promises
 from evertrain.config import CampaignConfig
-from evertrain.drift import drift_flow
-from evertrain.serving.flow import endpoint_flow
+
+# Prefect is imported late, inside the functions below: it reads its settings (PREFECT_API_URL) when imported, and
+# `evertrain serve` imports this module for start_server, then points PREFECT_API_URL at the server it started
+# (imported here, the served flow runs asked for a temporary server of their own and lost their concurrency slot)
 
 
 def _free_port(preferred: int) -> int:
@@ -60,9 +53,9 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
     port = _free_port(port)
     env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": str(scheduler_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    prefect_bin = Path(sys.executable).with_name("prefect")
+    prefect = Path(sys.executable).with_name("prefect")
     # a session of its own: stopping it stops its uvicorn workers too (evertrain.processes)
-    process = subprocess.Popen([str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    process = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout
@@ -85,6 +78,9 @@ def start_temporary_server() -> Any | None:
     it running, and a Ctrl-C no longer stops it before the run has reported its end. Prefect's own client finds and
     uses it (one temporary server per process). None when a server is configured (``PREFECT_API_URL``, a profile)
     or temporary servers are off. Call it from the main thread: the tie is to the thread that starts it."""
+    # late: Prefect (the note at the top)
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
     server = _tied_server_class()()
@@ -93,8 +89,10 @@ def start_temporary_server() -> Any | None:
 
 
 def _tied_server_class() -> type:
-    # late: Prefect's server package (~3 s); only the temporary server uses it
+    # late: Prefect (the note at the top); its server package (~3 s) only the temporary server uses
+    import prefect
     from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
 
     class TiedServer(SubprocessASGIServer):
         """Prefect's SubprocessASGIServer (prefect 3.9's command, unchanged) started with :func:`processes.tied_to`."""
@@ -130,7 +128,11 @@ def stop_server(process: subprocess.Popen, timeout: float = 30.0) -> None:
 def build_deployment(config: CampaignConfig, *, interval: float | None = None, cron: str | None = None,
                      iterations_per_run: int = 1) -> Any:
     """The Prefect deployment of ``config``'s campaign on a schedule."""
-    # late: torch (the campaign flow); `evertrain serve` starts and stops the Prefect server without it
+    # late: Prefect (the note at the top)
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    # late: torch and Prefect (the campaign flow; the note at the top)
     from evertrain.flows.campaign import campaign_flow
 
     if interval is not None and cron is not None:
@@ -150,6 +152,9 @@ def build_deployment(config: CampaignConfig, *, interval: float | None = None, c
 def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron: str | None = None,
           iterations_per_run: int = 1) -> None:
     """Serve every campaign's deployment from this process until interrupted."""
+    # late: Prefect (the note at the top)
+    from prefect import serve as prefect_serve
+
     if interval is None and cron is None:
         raise ValueError("give exactly one schedule: an interval in seconds or a cron expression")
     for config in configs:  # the operator's config, what runs from the deployment must keep (evertrain.promises)
@@ -162,6 +167,11 @@ def serve(configs: list[CampaignConfig], *, interval: float | None = None, cron:
 
 def ensure_work_pool(pool: str, pool_type: str = "process", concurrency: int | None = None) -> None:
     """Create work pool ``pool`` of ``pool_type`` (process here; docker or kubernetes in production) if missing."""
+    # late: Prefect (the note at the top)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
     # already there: keep it as its owner configured it
     with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
         client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, concurrency_limit=concurrency))
@@ -194,6 +204,13 @@ def build_endpoint_deployment(config: CampaignConfig, *, host: str | None = None
     No schedule: a run is started from the UI, the API or ``prefect deployment run 'endpoint/endpoint-<name>'``.
     A concurrency limit of one keeps a second endpoint of the campaign from starting on the same port.
     """
+    # late: Prefect (the note at the top)
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    # late: this module imports Prefect (the note at the top)
+    from evertrain.serving.flow import endpoint_flow
+
     return endpoint_flow.to_deployment(
         name=f"endpoint-{config.name}",
         parameters={"config": config.resolved().model_dump(mode="json"), "host": host, "port": port},
@@ -211,6 +228,13 @@ def build_drift_deployment(config: CampaignConfig, interval: float | None = None
 
     A concurrency limit of one, cancelling a new check while one runs: checks never pile up behind a slow store.
     """
+    # late: Prefect (the note at the top)
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    # late: this module imports Prefect (the note at the top)
+    from evertrain.drift import drift_flow
+
     drift = config.drift
     return drift_flow.to_deployment(
         name=f"drift-{config.name}",
@@ -228,6 +252,9 @@ def build_drift_deployment(config: CampaignConfig, interval: float | None = None
 def serve_flywheel(config: CampaignConfig, *, monitor_interval: float | None = None) -> None:
     """Serve the campaign's deployment without a schedule (only the drift monitor starts it) and the drift
     monitor on its interval, from this process until interrupted (the drift demo, evertrain.flywheel)."""
+    # late: Prefect (the note at the top)
+    from prefect import serve as prefect_serve
+
     promises.record(config)  # what the drift runs of the deployment must keep
     prefect_serve(build_deployment(config, iterations_per_run=config.drift.iterations),
                   build_drift_deployment(config, interval=monitor_interval), limit=2)
