@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+GROUPED_DECODING = "evertrain_sdpa"  # transformers' SDPA attention, a decoding step's grouped heads attended in place
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +34,35 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _grouped_decoding_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except that a one-token query (a decoding step) of a model whose query heads
+    share key/value heads (grouped-query attention: SmolLM2-135M has 9 query heads on 3) attends the shared heads in
+    place (SDPA's ``enable_gqa``). transformers copies every key/value head once per query head whenever a padding
+    mask is given (its CUDA kernels need that); on a CPU the copies cost several times the attention itself. The
+    output is the same to the bit (tests/test_grouped_decoding.py); longer queries (prompts, the learner's forward and
+    backward, where SDPA's grouped kernel is not faster) take transformers' own path unchanged."""
+    if query.shape[2] == 1 and getattr(module, "num_key_value_groups", 1) > 1 and not kwargs.get("position_bias"):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+AttentionInterface.register(GROUPED_DECODING, _grouped_decoding_attention)
+AttentionMaskInterface.register(GROUPED_DECODING, sdpa_mask)  # the masks SDPA gets, as before
+
+
+def use_grouped_decoding(model: Any) -> None:
+    """Decode with :func:`_grouped_decoding_attention` where the model uses transformers' SDPA attention (the
+    default); any other attention (eager, flash) is left as chosen."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+    if getattr(inner.config, "_attn_implementation", None) == "sdpa":
+        inner.set_attn_implementation(GROUPED_DECODING)
 
 
 def cache_keyword(model: Any) -> str:
