@@ -43,10 +43,11 @@ def module_file(module: str, path: str | None = None) -> Path | None:
     return None
 
 
-def declared_levels(modules: list[str], path: str | None = None, *, owner: str = "") -> list[dict[str, Any]] | None:
+def declared_levels(modules: list[str], path: str | None = None, *, owner: str = "",
+                    reserved: frozenset[str] = frozenset()) -> list[dict[str, Any]] | None:
     """The ``CURRICULUM`` of the first of ``modules`` that declares one (None when none does). Raises ValueError,
     naming ``owner`` and the file, for a declaration that is not a non-empty literal list of tables with string
-    keys."""
+    keys, or whose tables set a ``reserved`` option (one the adapter keeps for itself)."""
     for module in modules:
         file = module_file(module, path)
         if file is None:
@@ -67,8 +68,20 @@ def declared_levels(modules: list[str], path: str | None = None, *, owner: str =
                     isinstance(level, dict) and all(isinstance(key, str) for key in level) for level in value):
                 raise ValueError(f"{where} must be a non-empty list of option tables (dicts with string keys), easiest "
                                  f"first, got {value!r:.80}")
+            for level in value:
+                if clash := set(level) & reserved:
+                    raise ValueError(f"{owner or module}: a CURRICULUM level sets options the adapter keeps for itself "
+                                     f"({', '.join(sorted(clash))})")
             return [dict(level) for level in value]
     return None
+
+
+def level_options(levels: list[dict[str, Any]] | None, level: Any, owner: str) -> dict[str, Any]:
+    """The options of declared ``level`` (a problem's ``payload["level"]``); ValueError for any other value."""
+    count = len(levels or [])
+    if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level < count:
+        raise ValueError(f"{owner}: no curriculum level {level!r} (the package declares {count})")
+    return levels[level]  # type: ignore[index]
 
 
 def describe(options: dict[str, Any]) -> str:

@@ -56,7 +56,6 @@ from websockets.sync.client import connect, unix_connect
 from evertrain import processes
 from evertrain.envs import declared
 from evertrain.envs.base import Environment, FixedSplits, Problem, Split, Verdict, replies_of, replies_text
-from evertrain.processes import in_spawner, tied_to
 from evertrain.sandbox.verifiers_worker import jail_argv
 
 EVAL_SEED_BASE = 1_000_000
@@ -158,9 +157,9 @@ class OpenEnvEnvironment(FixedSplits, Environment):
             argv = [*jail_argv([], writable=[folder]), sys.executable, "-s", "-m", "uvicorn", str(self.app),
                     "--uds", self._socket, "--log-level", "warning"]
             # from the spawner thread: the parent-death signal fires when the starting THREAD ends
-            server = in_spawner(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                         stderr=subprocess.STDOUT, cwd="/tmp",
-                                                         preexec_fn=lambda: tied_to(parent)))
+            server = processes.in_spawner(lambda: subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp",
+                preexec_fn=lambda: processes.tied_to(parent)))
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server.poll() is not None:
@@ -302,19 +301,12 @@ class OpenEnvEnvironment(FixedSplits, Environment):
             return None
         module = self.app.split(":")[0]
         modules = [module] + ([module.split(".")[0]] if "." in module else [])
-        levels = declared.declared_levels(modules, owner=self.name)
-        for options in levels or []:
-            if set(options) & RESERVED_RESET:
-                raise ValueError(f"{self.name}: a CURRICULUM level sets reset arguments other than "
-                                 f"{' and '.join(sorted(RESERVED_RESET))}, got {options!r}")
-        return levels
+        return declared.declared_levels(modules, owner=self.name, reserved=RESERVED_RESET)
 
     def level_pool(self, level: int, split: Split) -> list[Problem]:
         """The training (``train``) or held-out (``eval``) problems of declared ``level`` (each names its level, so
         its episodes are reset with that level's arguments)."""
-        levels = self.declared_levels or []
-        if not 0 <= level < len(levels):
-            raise ValueError(f"{self.name}: no curriculum level {level} (the package declares {len(levels)})")
+        declared.level_options(self.declared_levels, level, self.name)
         if level not in self._levels:
             self._levels[level] = self._listing(level)
         return self._levels[level][split]
@@ -324,12 +316,7 @@ class OpenEnvEnvironment(FixedSplits, Environment):
         seed, level = payload.get("seed"), payload.get("level")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError("the problem names no seed")
-        extra: dict[str, Any] = {}
-        if level is not None:
-            levels = self.declared_levels or []
-            if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level < len(levels):
-                raise ValueError(f"the problem's level {level!r} is none of the {len(levels)} the package declares")
-            extra = levels[level]
+        extra = {} if level is None else declared.level_options(self.declared_levels, level, self.name)
         return {**self.reset_options, **extra, "seed": seed}
 
     def _listing(self, level: int | None) -> dict[str, list[Problem]]:

@@ -187,21 +187,15 @@ class VerifiersEnvironment(FixedSplits, Environment):
     def declared_levels(self) -> list[dict[str, Any]] | None:
         """The curriculum the taskset's package declares (``CURRICULUM`` in its module, read without importing it:
         each level's taskset fields over the configured ones; :mod:`evertrain.envs.declared`), or None."""
-        levels = declared.declared_levels([self.taskset.replace("-", "_")], self.path, owner=self.name)
-        for options in levels or []:
-            if set(options) & set(OWN_OPTIONS):
-                raise ValueError(f"{self.name}: a CURRICULUM level sets fields of the taskset only, not "
-                                 f"evertrain's own options ({', '.join(sorted(set(options) & set(OWN_OPTIONS)))})")
-        return levels
+        return declared.declared_levels([self.taskset.replace("-", "_")], self.path, owner=self.name,
+                                        reserved=frozenset(OWN_OPTIONS))
 
     def at_level(self, level: int) -> VerifiersEnvironment:
         """The taskset at declared ``level``: its fields over the configured ones, its own tasks and rubric worker."""
-        levels = self.declared_levels or []
-        if not 0 <= level < len(levels):
-            raise ValueError(f"{self.name}: no curriculum level {level} (the package declares {len(levels)})")
+        options = declared.level_options(self.declared_levels, level, self.name)
         if level not in self._levels:
             self._levels[level] = VerifiersEnvironment(self.taskset, path=self.path, **self._own,
-                                                       **{**self.knobs, **levels[level]})
+                                                       **{**self.knobs, **options})
         return self._levels[level]
 
     def level_pool(self, level: int, split: Split) -> list[Problem]:
@@ -216,11 +210,7 @@ class VerifiersEnvironment(FixedSplits, Environment):
 
     def _at(self, problem: Problem) -> VerifiersEnvironment:
         level = problem.payload.get("level")
-        if level is None:
-            return self
-        if not isinstance(level, int) or isinstance(level, bool):
-            raise ValueError(f"{self.name}: a problem's level must be a whole number, got {level!r}")
-        return self.at_level(level)
+        return self if level is None else self.at_level(level)
 
     def reply(self, problem: Problem, turns: list[dict[str, Any]]) -> str | None:
         """The package's environment, replayed with the policy's replies so far: what it says next (None: over)."""
