@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from evertrain.data.store import Store, now
+from evertrain.stats import percentile
 
 READER_SQL = ("SELECT iteration, env, avg(reward) AS reward, avg(completion_tokens) AS tokens "
               "FROM rollouts WHERE campaign = 'bench' GROUP BY ALL ORDER BY ALL")
@@ -95,7 +96,7 @@ def simulate(uri: str, iterations: int, seed: int = 0) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     store.close()
     return {"campaign_s": round(elapsed, 1), "write_rows_per_s": round(statistics.median(write_rates)),
-            "write_rows_per_s_p10": round(float(np.percentile(write_rates, 10)))}
+            "write_rows_per_s_p10": round(percentile(write_rates, 10))}
 
 
 def read_rate(uri: str, repeats: int = 5) -> dict[str, Any]:

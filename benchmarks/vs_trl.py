@@ -70,6 +70,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evertrain.stats import mean_interval  # noqa: E402  (the checkout's evertrain, found through ROOT)
+
 SYSTEMS = ("evertrain", "trl", "trl_warm")
 BASELINES = ("trl", "trl_warm")
 TRAINING_STAGES = ("curate", "rollout", "score", "sft", "update")
@@ -533,20 +535,13 @@ class Evaluator:
                            batch_size=self.config.generation.batch_size)
         passed = np.array([self.env.verify(p, g[0].text).reward for p, g in zip(self.problems, groups, strict=True)])
         del model
-        low, high = bootstrap_ci(passed)
+        low, high = mean_interval(passed, samples=BOOTSTRAP_SAMPLES, seed=BOOTSTRAP_SEED)
         record = {"pass1": float(passed.mean()), "ci": [low, high], "passed": "".join(str(int(x)) for x in passed),
                   "eval_cpu_s": cpu_seconds() - began, "eval_wall_s": time.perf_counter() - wall}
         self.cache[key] = record
         log(f"evaluated {checkpoint}: pass@1 {record['pass1']:.3f} [{low:.3f}, {high:.3f}] "
             f"({record['eval_cpu_s']:.0f} CPU-s)")
         return record
-
-
-def bootstrap_ci(values: Any, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
-    """95% percentile bootstrap CI of the mean, resampling problems (:func:`evertrain.stats.mean_interval`)."""
-    from evertrain.stats import mean_interval
-
-    return mean_interval(values, samples=samples, seed=seed)
 
 
 def as_array(record: dict[str, Any]) -> Any:
@@ -559,7 +554,7 @@ def summarize(before: dict[str, Any], after: dict[str, Any], cpu_s: float) -> di
     """One checkpoint against the base model on the same problems: gain, its interval, points per CPU-hour."""
     diff = as_array(after) - as_array(before)
     gain = float(diff.mean())
-    low, high = bootstrap_ci(diff)
+    low, high = mean_interval(diff, samples=BOOTSTRAP_SAMPLES, seed=BOOTSTRAP_SEED)
     hours = cpu_s / 3600
     return {"pass1_before": before["pass1"], "pass1_after": after["pass1"], "pass1_after_ci": after["ci"],
             "gain": gain, "gain_ci": [low, high], "cpu_min": cpu_s / 60,
@@ -668,7 +663,8 @@ def evaluate_seed(system: str, seed: int, result: dict[str, Any], evaluate: Eval
            "completions": int(result["completions"]), "wall_min": float(result.get("worker_wall_s", 0.0)) / 60}
     moved_to = transfer(output)
     moved = as_array(moved_to) - as_array(base_transfer)
-    run["transfer_gain"], run["transfer_gain_ci"] = float(moved.mean()), list(bootstrap_ci(moved))
+    run["transfer_gain"] = float(moved.mean())
+    run["transfer_gain_ci"] = list(mean_interval(moved, samples=BOOTSTRAP_SAMPLES, seed=BOOTSTRAP_SEED))
     run["transfer_passed"] = moved_to["passed"]
     if system == "evertrain":
         its = result["iterations"]

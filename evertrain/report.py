@@ -11,9 +11,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from evertrain import stats
 from evertrain.config import CampaignConfig
 from evertrain.data.store import Store
-from evertrain.stats import min_detectable_gain
+from evertrain.stats import discordant_share, independent_discordance
 
 COLUMNS = [
     ("iteration", "iter"), ("mean_reward", "mean reward"), ("zero_variance_share", "zero-var groups"),
@@ -255,10 +256,11 @@ def format_frontier(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any] | None:
-    """The gate's power: its problems, its one-sided error (1 - promotion.confidence), the discordant share
-    measured on its last comparison of two different versions (else assumed 2p(1-p) at the champion's
-    pass@1, as if their answers were independent), and the smallest gain it detects, also at 2x and 4x the
-    problems. The gate's sequential looks and regression rule are not modelled: a fixed-size approximation."""
+    """The gate's power, read from the lineage (the statistics are :func:`evertrain.stats.gate_power`'s): its
+    problems, its one-sided error (1 - promotion.confidence), the discordant share measured on its last
+    comparison of two different versions (else assumed 2p(1-p) at the champion's pass@1, as if their answers
+    were independent), and the smallest gain it detects, also at 2x and 4x the problems. The gate's sequential
+    looks and regression rule are not modelled: a fixed-size approximation."""
     raw = store.campaign_config(campaign)
     if raw is None:
         return None
@@ -276,18 +278,15 @@ def gate_power(store: Store, campaign: str, power: float = 0.8) -> dict[str, Any
         if {"challenger", "champion"} <= set(wide.columns):
             wide = wide.dropna()
             if len(wide):
-                discordant = float((wide["challenger"].astype(bool) != wide["champion"].astype(bool)).mean())
+                discordant = discordant_share(wide["challenger"].astype(bool), wide["champion"].astype(bool))
                 source = f"measured at iteration {int(last['iteration'].iloc[0])} on {len(wide)} problems"
     if not discordant:
         champion = store.champion_gate_pass1(campaign)
-        p = 0.5 if champion is None else champion
-        discordant = max(2 * p * (1 - p), 1.0 / max(problems, 1))
-        source = "assumed 2p(1-p)" + ("" if champion is None else f" at champion pass@1 {p:.2f}")
+        discordant = independent_discordance(champion, problems)
+        source = "assumed 2p(1-p)" + ("" if champion is None else f" at champion pass@1 {champion:.2f}")
     return {"problems": problems, "alpha": alpha, "power": power, "discordant": discordant, "source": source,
             "levels": config.eval.levels, "rotations": config.eval.rotations,
-            "min_gain": min_detectable_gain(problems, alpha, power, discordant),
-            "min_gain_2x": min_detectable_gain(2 * problems, alpha, power, discordant),
-            "min_gain_4x": min_detectable_gain(4 * problems, alpha, power, discordant)}
+            **stats.gate_power(problems, alpha, power, discordant)}
 
 
 def format_gate_power(g: dict[str, Any] | None) -> list[str]:

@@ -199,6 +199,27 @@ def min_detectable_gain(problems: int, alpha: float, power: float, discordant: f
     return high
 
 
+def discordant_share(first: Sequence[bool] | np.ndarray, second: Sequence[bool] | np.ndarray) -> float:
+    """The share of problems answered right by exactly one of two models (paired answers, same order)."""
+    a, b = np.asarray(first, dtype=bool), np.asarray(second, dtype=bool)
+    return float((a != b).mean()) if len(a) else 0.0
+
+
+def independent_discordance(pass1: float | None, problems: int) -> float:
+    """The discordant share two models would have if their answers were independent at pass@1 ``pass1``
+    (0.5 when unknown): 2p(1-p), at least one problem in ``problems``."""
+    p = 0.5 if pass1 is None else pass1
+    return max(2 * p * (1 - p), 1.0 / max(problems, 1))
+
+
+def gate_power(problems: int, alpha: float, power: float, discordant: float) -> dict[str, float | None]:
+    """The smallest gain a paired gate of ``problems`` problems detects (:func:`min_detectable_gain`), also at
+    2x and 4x the problems."""
+    return {"min_gain": min_detectable_gain(problems, alpha, power, discordant),
+            "min_gain_2x": min_detectable_gain(2 * problems, alpha, power, discordant),
+            "min_gain_4x": min_detectable_gain(4 * problems, alpha, power, discordant)}
+
+
 def wilson(passed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     """The 95% Wilson score interval of a pass rate (sound at 0 and 1 passes, unlike the normal one)."""
     if n == 0:

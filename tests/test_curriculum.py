@@ -26,7 +26,8 @@ from evertrain.data.lineage import diversity, diversity_metrics
 from evertrain.envs import registry
 from evertrain.envs.quality import NgramIndex
 from evertrain.runtime import Runtime
-from evertrain.stats import min_detectable_gain
+from evertrain.stats import discordant_share, independent_discordance, min_detectable_gain
+from evertrain.stats import gate_power as stats_gate_power
 from evertrain.tasks import STAGE_FUNCTIONS, run_stage
 from tests.conftest import smoke_config_in
 
@@ -338,6 +339,12 @@ def test_gate_power_is_the_paired_test_solved_for_the_gain():
     bigger = min_detectable_gain(400, 0.1, 0.8, 0.3)
     assert bigger is not None and bigger < gain / 1.8  # 4x the problems: about half the gain
     assert min_detectable_gain(3, 0.1, 0.8, 0.05) is None  # too few problems to see anything
+    # the report's inputs: the measured discordant share, else the independent one at the champion's pass@1
+    assert discordant_share([1, 1, 0, 0], [1, 0, 1, 0]) == 0.5
+    assert independent_discordance(0.9, 100) == pytest.approx(0.18)
+    assert independent_discordance(None, 100) == 0.5 and independent_discordance(1.0, 40) == 1 / 40
+    assert stats_gate_power(100, 0.1, 0.8, 0.3) == {
+        "min_gain": gain, "min_gain_2x": min_detectable_gain(200, 0.1, 0.8, 0.3), "min_gain_4x": bigger}
 
 
 def test_generator_levels_grade_their_own_references():
