@@ -39,6 +39,13 @@ from typing import Any
 
 import torch
 
+from evertrain.config import LoraConfig
+from evertrain.models.checkpoint import load_policy, read_manifest, save_checkpoint
+from evertrain.models.grpo import Group, LogProbs, Member, StepSettings, train_step
+from evertrain.models.precision import enable_gradient_checkpointing, update_precision
+from evertrain.quiet import quiet_libraries
+from evertrain.services import free_port
+
 REPORT = "losses.json"  # process 0's report in the output folder: losses, grad norms, statistics
 _RAISED = re.compile(r"^(?!.*ChildFailedError)(\[rank\d+\]: )?([\w.]+(Error|Exception)(: .*|$))")
 
@@ -75,8 +82,6 @@ def write_spec(path: Path, *, checkpoint: str, groups: list[dict[str, Any]], min
 
 def _groups(spec: dict[str, Any]) -> list[Any]:
     """The spec's groups as the update's :class:`~evertrain.models.grpo.Group` objects."""
-    from evertrain.models.grpo import Group, Member
-
     default = float(spec.get("temperature", 1.0))
     return [Group([int(t) for t in g["prompt"]], [
         Member(ids=m["ids"], logprobs=m["logprobs"], advantage=float(m["advantage"]), loss_mask=m["loss_mask"],
@@ -95,11 +100,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Take the spec's optimizer steps in this process's share; returns (on every process) the losses."""
     from accelerate import Accelerator
     from torch.nn.parallel import DistributedDataParallel
-
-    from evertrain.config import LoraConfig
-    from evertrain.models.checkpoint import load_policy
-    from evertrain.models.grpo import LogProbs, StepSettings, train_step
-    from evertrain.models.precision import enable_gradient_checkpointing, update_precision
 
     cpu = spec.get("cpu")
     accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else bool(cpu))
@@ -163,8 +163,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def _write_out(spec: dict[str, Any], accelerator: Any, model: Any, optimizer: torch.optim.Optimizer,
                report: dict[str, Any], mine: dict[str, Any]) -> None:
     """Process 0 writes the checkpoint, the optimizer state and the report, with every process's statistics."""
-    from evertrain.models.checkpoint import read_manifest, save_checkpoint
-
     parts = [mine]
     if accelerator.num_processes > 1:
         parts = [{} for _ in range(accelerator.num_processes)]
@@ -187,8 +185,6 @@ def launch(spec_path: Path, processes: int, *, cpu: bool, threads: int | None = 
     """Run the spec in ``processes`` processes (``accelerate launch --multi_gpu``, one GPU each, or gloo on
     the CPU with ``cpu``) and return process 0's report. Their output goes to ``logs``/stdout.log and
     stderr.log (default: beside the spec); a failed launch raises RuntimeError with the tail of stderr."""
-    from evertrain.services import free_port
-
     spec = json.loads(spec_path.read_text())
     logs = logs or spec_path.parent
     logs.mkdir(parents=True, exist_ok=True)
@@ -216,8 +212,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m evertrain.models.data_parallel SPEC.json")
-    from evertrain.quiet import quiet_libraries
-
     quiet_libraries()
     run(json.loads(Path(argv[0]).read_text()))
 
