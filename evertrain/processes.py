@@ -1,4 +1,4 @@
-"""Stopping the servers and runners evertrain starts: one way, for all of them.
+"""Stopping the servers and runners evertrain starts: one way, for all of them (and the one free-port helper).
 
 Every long-lived child evertrain starts (the Prefect and MLflow servers of ``evertrain services``, the Prefect
 server ``evertrain serve`` and the flywheel start, the flywheel's deployment runner) is started in a session of
@@ -14,6 +14,7 @@ import ctypes
 import os
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -87,6 +88,18 @@ def stop(processes: Iterable[Process], first: int = signal.SIGTERM, timeout: flo
         else:
             alive(process)  # reaps it if it is this process's child
     return killed
+
+
+
+def free_port(preferred: int | None = None) -> int:
+    """A TCP port on localhost nobody listens on now: ``preferred`` when it is free, else one the kernel picks."""
+    if preferred:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", preferred)) != 0:
+                return preferred
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def tied_to(parent: int) -> None:

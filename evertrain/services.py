@@ -23,7 +23,7 @@ import json
 import os
 import pwd
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -40,12 +40,6 @@ DATABASES = ("prefect", "mlflow", "evertrain")
 
 class ServiceError(RuntimeError):
     """A server could not be started; the message says which and where its log is."""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _as_postgres() -> list[str]:
@@ -74,7 +68,7 @@ def start_postgres(root: Path, host: str = "127.0.0.1", port: int | None = None)
         raise ServiceError(f"PostgreSQL is not installed ({PG_BIN / 'postgres'} missing): "
                            "apt-get install postgresql (or set EVERTRAIN_PG_BIN to its bin folder)")
     data = root / "postgres"
-    port = port or free_port()
+    port = port or processes.free_port()
     if not (data / "PG_VERSION").exists():
         _pg_owned_dir(data)
         _run([*_as_postgres(), str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust",
@@ -112,7 +106,7 @@ def _wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeou
                     return
         except OSError:
             time.sleep(1)
-    process.kill()
+    processes.stop([process], first=signal.SIGKILL, timeout=0)
     raise ServiceError(f"{what} did not answer on {url} within {timeout:.0f} s; its log: {log}\n{_tail(log)}")
 
 
@@ -143,7 +137,7 @@ def mlflow_server_env(env: dict[str, str]) -> dict[str, str]:
 def start_prefect(root: Path, database_url: str, host: str = "127.0.0.1", port: int | None = None,
                   timeout: float = 300.0) -> dict[str, Any]:
     """``prefect server start`` on ``database_url`` (postgresql+asyncpg://...), with its scheduler."""
-    port = port or free_port()
+    port = port or processes.free_port()
     home = root / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
     env = {**quiet_env(), "PREFECT_HOME": str(home), "PREFECT_API_DATABASE_CONNECTION_URL": database_url,
@@ -160,7 +154,7 @@ def start_prefect(root: Path, database_url: str, host: str = "127.0.0.1", port: 
 def start_mlflow(root: Path, backend_uri: str, host: str = "127.0.0.1", port: int | None = None,
                  timeout: float = 300.0) -> dict[str, Any]:
     """``mlflow server`` on ``backend_uri`` (postgresql://...), proxying artifacts to ``root/mlflow-artifacts``."""
-    port = port or free_port()
+    port = port or processes.free_port()
     artifacts = root / "mlflow-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     log = root / "mlflow.log"

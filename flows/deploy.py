@@ -18,7 +18,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,19 +27,11 @@ from typing import Any
 
 from evertrain import processes, promises
 from evertrain.config import CampaignConfig
+from evertrain.processes import free_port
 
 # Prefect is imported late, inside the functions below: it reads its settings (PREFECT_API_URL) when imported, and
 # `evertrain serve` imports this module for start_server, then points PREFECT_API_URL at the server it started
 # (imported here, the served flow runs asked for a temporary server of their own and lost their concurrency slot)
-
-
-def _free_port(preferred: int) -> int:
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", preferred)) != 0:
-            return preferred
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: float = 180.0,
@@ -50,7 +41,7 @@ def start_server(port: int = 4200, scheduler_seconds: float = 10.0, timeout: flo
     The temporary server Prefect starts on its own runs no scheduler, so scheduled deployments would
     never fire without a real one.
     """
-    port = _free_port(port)
+    port = free_port(port)
     env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": str(scheduler_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     prefect = Path(sys.executable).with_name("prefect")

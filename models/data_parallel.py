@@ -43,8 +43,8 @@ from evertrain.config import LoraConfig
 from evertrain.models.checkpoint import load_policy, read_manifest, save_checkpoint
 from evertrain.models.grpo import Group, LogProbs, Member, StepSettings, train_step
 from evertrain.models.precision import enable_gradient_checkpointing, update_precision
+from evertrain.processes import free_port
 from evertrain.quiet import quiet_libraries
-from evertrain.services import free_port
 
 REPORT = "losses.json"  # process 0's report in the output folder: losses, grad norms, statistics
 _RAISED = re.compile(r"^(?!.*ChildFailedError)(\[rank\d+\]: )?([\w.]+(Error|Exception)(: .*|$))")

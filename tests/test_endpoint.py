@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from evertrain.data.lineage import live_pass_rates
 from evertrain.envs.base import Problem
 from evertrain.envs.tools import PythonTool
+from evertrain.processes import free_port
 from evertrain.runtime import Runtime
 from evertrain.serving.app import MODEL_HEADER, TRACE_HEADER, EndpointServer
 from tests.conftest import api_key, bearer, smoke_config_in
@@ -105,12 +105,6 @@ def live(tmp_path_factory, models_dir):
 def _stored(server, sql: str, params: list | None = None):
     assert server.endpoint.writer.flush(60)
     return server.endpoint.store.query(sql, params or [])
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_healthy(process, port: int, timeout: float = 300.0) -> None:
@@ -448,7 +442,7 @@ def test_evertrain_endpoint_command_serves_and_writes_its_traces_on_stop(live, t
     data = config.model_dump(mode="json")
     data["serving"]["trace_flush_seconds"] = 3600  # nothing is written before the stop: the stop must write it
     path.write_text(json.dumps(data))
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "endpoint", "--campaign", "live", "--config",
                                 str(path), "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
@@ -482,7 +476,7 @@ def test_sigkill_mid_traffic_loses_no_answered_request_s_trace(live, tmp_path):
     data = config.model_dump(mode="json")
     data["serving"]["trace_flush_seconds"] = 3600  # no commit before the kill: only the journal can keep them
     path.write_text(json.dumps(data))
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "evertrain.cli", "endpoint", "--campaign", "live", "--config",
                                 str(path), "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from evertrain.processes import free_port
 from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_FUNCTIONS, STAGES, run_stage
 from tests.conftest import smoke_config_in
@@ -97,17 +97,11 @@ def test_model_card_names_the_base_model_by_its_hub_id(exported, tmp_path):
     assert hub_id(str(tmp_path)) is None and hub_id("embedded:tiny") is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_mlflow_serves_the_exported_model(exported, tmp_path):
     rt, _, result = exported
     uri = result["mlflow_model_uri"]
     assert uri and uri.startswith("runs:/")
-    port = _free_port()
+    port = free_port()
     bin_dir = str(Path(sys.executable).parent)  # mlflow starts `uvicorn` from PATH, as an activated venv has it
     env = {**os.environ, "MLFLOW_TRACKING_URI": rt.config.paths.mlflow_uri,
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}

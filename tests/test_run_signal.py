@@ -257,7 +257,7 @@ def test_prefect_s_termination_signal_in_the_chain_counts_as_an_interruption():
 def test_evertrain_ui_stops_both_servers(tmp_path, how, prefect_database):
     """SIGTERM to `evertrain ui` stops its Prefect and MLflow servers as Ctrl-C does (before: both kept running),
     and a SIGKILLed one leaves neither behind."""
-    from evertrain.services import free_port
+    from evertrain.processes import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     env.update(PREFECT_HOME=str(prefect_home(tmp_path / "prefect", prefect_database)), EVERTRAIN_HOME=str(tmp_path))

@@ -72,3 +72,17 @@ def _running(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/stat")
     return status.exists() and status.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_free_port_keeps_a_free_preferred_port_and_skips_a_taken_one() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        other = processes.free_port(busy)
+        assert other != busy
+        with socket.socket() as probe:  # the port it gave is one nobody listens on
+            assert probe.connect_ex(("127.0.0.1", other)) != 0
+    assert processes.free_port(other) == other

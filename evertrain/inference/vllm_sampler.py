@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from transformers import AutoConfig
 
+from evertrain import processes
 from evertrain.inference.base import VLLM_CAPABILITIES, BackendError, Sample, SamplingStats, record_sync
 from evertrain.models.checkpoint import checkpoint_digest, load_tokenizer, read_manifest
 from evertrain.models.precision import resolve_device, sampling_dtype
@@ -108,7 +109,7 @@ class VLLMEngine:
         while waiter.is_alive() and self.process.poll() is None and time.perf_counter() - began < start_timeout:
             waiter.join(0.5)
         if not accepted:
-            self.process.kill()
+            processes.stop([self.process], first=signal.SIGKILL, timeout=0)
             listener.close()
             raise EngineError(f"the vLLM engine ({python}) exited or did not connect within {start_timeout:.0f} s: "
                               f"see {self.log_path}:\n{self._log_tail()}")
@@ -203,16 +204,12 @@ class VLLMEngine:
                 with self._lock:
                     self.connection.send({"op": "shutdown"})
                     self.connection.recv()
-                # nothing is in flight now: the whole group at once (the engine script, vLLM's engine core and its
-                # worker), or vLLM stops its processes one after the other, waiting out a grace period for each
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=30)
-            except (OSError, EOFError, subprocess.TimeoutExpired):
+            except (OSError, EOFError):
                 pass
-            if self.process.poll() is None:
-                # the engine's worker runs in its process group (started in a new session)
-                os.killpg(self.process.pid, 9)
-                self.process.wait()
+            # nothing is in flight now: the whole group at once (the engine script, vLLM's engine core and its
+            # worker, in the session it was started in), or vLLM stops its processes one after the other, waiting
+            # out a grace period for each
+            processes.stop([self.process], timeout=30)
         self.connection.close()
 
 

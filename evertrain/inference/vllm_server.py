@@ -20,12 +20,9 @@ Versions
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -35,10 +32,12 @@ from typing import Any
 
 import httpx
 
+from evertrain import processes
 from evertrain.config import CampaignConfig
 from evertrain.inference.base import VLLM_CAPABILITIES, Sample, SamplingStats
 from evertrain.inference.vllm_sampler import engine_options, vllm_python
 from evertrain.models.checkpoint import load_tokenizer, read_manifest
+from evertrain.processes import free_port
 
 log = logging.getLogger("evertrain.serving")
 
@@ -47,12 +46,6 @@ UNLOAD_GRACE_SECONDS = 120.0  # an evicted version stays loaded this long: reque
 
 class VLLMServerError(RuntimeError):
     """vLLM's server could not start, or refused a request; the message says which and why."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class VLLMServer:
@@ -67,7 +60,7 @@ class VLLMServer:
                 "or point the setting at any Python that has vllm installed")
         options = engine_options(config, model)
         self.model, self.served_name = model, served_name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
@@ -143,14 +136,7 @@ class VLLMServer:
 
     def close(self) -> None:
         self.http.close()
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine core, one session
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                with contextlib.suppress(OSError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        processes.stop([self.process], timeout=30)  # the server and its engine core, one session
 
 
 class VLLMServerSampler:
