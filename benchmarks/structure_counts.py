@@ -7,6 +7,10 @@
   themselves (call ``NormalDist``, ``np.quantile``/``np.percentile``/``statistics.quantiles``, a bootstrap's
   resampling, or are named for one: wilson, z statistic, alpha spending, power, percentile, bootstrap, and do
   not hand the arithmetic to ``evertrain.stats``), listed so a reader can judge each;
+- **hand-written process stops**: calls that signal or kill a process (a Popen's ``.kill()``, ``.terminate()``,
+  ``.send_signal()``; ``os.kill``, ``os.killpg``) in the library outside ``evertrain/processes.py`` (whose ``stop``
+  is the one way to stop a child), listed so a reader can judge each (a sandbox killing its jail's group at once,
+  a fault injection signalling itself);
 - **files over 600 lines** in the library.
 
 Run ``python benchmarks/structure_counts.py [--root PATH] [--save NAME]``: prints a table; ``--save`` writes the
@@ -87,6 +91,31 @@ def statistics_outside(root: Path) -> list[str]:
     return sorted(set(found))
 
 
+PROCESSES_HOME = Path("evertrain/processes.py")
+STOP_FUNCTIONS = {"kill", "killpg"}  # of os
+
+
+def process_stops(root: Path) -> list[str]:
+    """'file:line' of each call that signals or kills a process, outside processes.py."""
+    found = []
+    for path in _files(root, LIBRARY):
+        relative = path.relative_to(root)
+        if relative == PROCESSES_HOME:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            owner = node.func.value
+            by_os = isinstance(owner, ast.Name) and owner.id == "os"
+            # a Popen's own: kill() and terminate() take no argument (the jail's kill(reason) and ray.kill(actor)
+            # are not process stops written by hand)
+            popen = not by_os and ((node.func.attr in {"kill", "terminate"} and not node.args)
+                                   or node.func.attr == "send_signal")
+            if (by_os and node.func.attr in STOP_FUNCTIONS) or popen:
+                found.append(f"{relative}:{node.lineno}")
+    return sorted(found, key=lambda item: (item.rpartition(":")[0], int(item.rpartition(":")[2])))
+
+
 def long_files(root: Path) -> list[tuple[str, int]]:
     out = []
     for path in _files(root, LIBRARY):
@@ -99,7 +128,9 @@ def long_files(root: Path) -> list[tuple[str, int]]:
 def counts(root: Path) -> dict[str, object]:
     stats = statistics_outside(root)
     longs = long_files(root)
+    stops = process_stops(root)
     return {"local_imports": local_imports(root), "statistics_outside_stats": len(stats), "statistics": stats,
+            "process_stops_outside_processes": len(stops), "process_stops": stops,
             "files_over_600_lines": len(longs), "long_files": longs}
 
 
@@ -114,6 +145,9 @@ def main() -> None:
     print(f"{'function-local imports (first-party / other)':<48} {imports['first_party']} / {imports['third_party']}")
     print(f"{'statistics outside evertrain/stats.py':<48} {found['statistics_outside_stats']}")
     for name in found["statistics"]:  # type: ignore[union-attr]
+        print(f"    {name}")
+    print(f"{'process stops outside evertrain/processes.py':<48} {found['process_stops_outside_processes']}")
+    for name in found["process_stops"]:  # type: ignore[union-attr]
         print(f"    {name}")
     print(f"{'library files over 600 lines':<48} {found['files_over_600_lines']}")
     for name, lines in found["long_files"]:  # type: ignore[union-attr]
