@@ -245,3 +245,25 @@ def test_a_column_the_schema_gained_is_added_to_an_existing_store(tmp_path, kind
     frame = store.query("SELECT problem_id, reason FROM evals")
     store.close()
     assert frame.values.tolist() == [["p", None]]
+
+
+def test_compaction_keeps_what_a_reader_of_the_last_hour_may_need(tmp_path):
+    """compact(keep_seconds) keeps every snapshot younger than that and the files they read: a reader that began
+    on an older snapshot still finds its files (DuckLake's own older_than took snapshots and files made seconds
+    before a cutoff of an hour)."""
+    store = Store(store_uri(tmp_path))
+    for iteration in range(3):
+        store.replace("rollouts", {"campaign": "c", "iteration": iteration},
+                      [{"campaign": "c", "iteration": iteration, "problem_id": f"p{k}", "sample": 0, "reward": 0.0}
+                       for k in range(4)])
+    pinned = int(store.scalar("SELECT max(snapshot_id) FROM ducklake_snapshots('lake')"))  # a reader's snapshot
+    snapshots = store.scalar("SELECT count(*) FROM ducklake_snapshots('lake')")
+    store.replace("rollouts", {"campaign": "c", "iteration": 0}, [])  # files only the older snapshots read
+    store.compact(keep_seconds=3600)
+    assert store.scalar("SELECT count(*) FROM ducklake_snapshots('lake')") > snapshots  # none expired
+    # the pinned snapshot still reads its rows: its files were neither expired nor cleaned up
+    assert store.query(f"SELECT * FROM rollouts AT (VERSION => {pinned}) WHERE iteration = 0").shape[0] == 4
+    store.compact(keep_seconds=0)  # nothing to keep: only the newest snapshot is left, its rows whole
+    assert store.scalar("SELECT count(*) FROM ducklake_snapshots('lake')") == 1
+    assert store.scalar("SELECT count(*) FROM rollouts") == 8
+    store.close()
