@@ -29,11 +29,15 @@ Recorded:
   against the iteration it ran after.
 
 Compaction runs as the product runs it (``flows.campaign.COMPACT_EVERY``: every 5 iterations, ``Store.compact``:
-merge adjacent files, expire old snapshots, delete the files no snapshot needs; each one's CPU and files before and
-after are recorded); ``--compact-every N`` sets that constant for this run (0: never), to compare.
+merge adjacent files, expire the snapshots older than ``flows.campaign.COMPACT_KEEP_SECONDS``, delete the files
+no snapshot needs; each one's CPU and files before and after are recorded); ``--compact-every N`` sets that constant
+for this run (0: never) and ``--keep-seconds S`` the other, to compare. Every snapshot kept is rows of the catalog
+that each query reads: a campaign whose iterations take seconds keeps many more of them than one whose iterations
+take minutes, so the cost of a long run of this tiny campaign at a keep window scaled to its pace is what a real
+campaign meets at the product's.
 
     .venv/bin/python benchmarks/growth.py [--iterations 200] [--chunk 10] [--save cpu] [--workdir DIR]
-        [--compact-every N]
+        [--compact-every N] [--keep-seconds S]
 
 Writes benchmarks/results/growth_<save>.json (with the command, machine and date) and growth_<save>.png: CPU per
 iteration by stage, the reads' CPU, and the store's files and size, against the iteration. Iterations are counted
@@ -329,6 +333,8 @@ def main() -> None:
                         "a folder holding one already goes on with it")
     parser.add_argument("--compact-every", type=int, default=None, help="compact the store every N iterations "
                         f"(default: the product's, {campaign_module.COMPACT_EVERY}; 0: never)")
+    parser.add_argument("--keep-seconds", type=float, default=None, help="snapshots younger than this survive a "
+                        f"compaction (default: the product's, {campaign_module.COMPACT_KEEP_SECONDS:g})")
     parser.add_argument("--name", default="growth", help="campaign name (default growth)")
     args = parser.parse_args()
     if args.iterations < 1 or args.chunk < 1:
@@ -340,6 +346,9 @@ def main() -> None:
     compact_every = campaign_module.COMPACT_EVERY if args.compact_every is None else args.compact_every
     saved_constant = campaign_module.COMPACT_EVERY
     campaign_module.COMPACT_EVERY = compact_every or NEVER
+    saved_keep = campaign_module.COMPACT_KEEP_SECONDS
+    if args.keep_seconds is not None:
+        campaign_module.COMPACT_KEEP_SECONDS = args.keep_seconds
     chunks: list[dict[str, Any]] = []
     try:
         # Prefect's database in the scratch folder, not the user's PREFECT_HOME
@@ -390,14 +399,17 @@ def main() -> None:
                 stop_temporary_server()
     finally:
         campaign_module.COMPACT_EVERY = saved_constant
+        keep_seconds = campaign_module.COMPACT_KEEP_SECONDS
+        campaign_module.COMPACT_KEEP_SECONDS = saved_keep
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
 
-    report(args, config, compact_every, rows, chunks, compactions, root)
+    report(args, config, compact_every, keep_seconds, rows, chunks, compactions, root)
 
 
-def report(args: argparse.Namespace, config: CampaignConfig, compact_every: int, rows: list[dict[str, Any]],
-           chunks: list[dict[str, Any]], compactions: list[dict[str, Any]], root: Path) -> None:
+def report(args: argparse.Namespace, config: CampaignConfig, compact_every: int, keep_seconds: float,
+           rows: list[dict[str, Any]], chunks: list[dict[str, Any]], compactions: list[dict[str, Any]],
+           root: Path) -> None:
     """Print the tables, save the JSON and the plot."""
     table = []
     for chunk in chunks:
@@ -459,7 +471,8 @@ def report(args: argparse.Namespace, config: CampaignConfig, compact_every: int,
                 "max_new_tokens": config.generation.max_new_tokens,
                 "eval_problems_per_env": config.eval.problems_per_env,
                 "eval_every": config.eval.every, "compact_every": compact_every or None,
-                "compact_keep_seconds": 3600, "read_repeats": READ_REPEATS,
+                "compact_keep_seconds": keep_seconds,
+                "read_repeats": READ_REPEATS,
                 "path": "flows.deploy.start_temporary_server, Runtime.open, then "
                         "flows.campaign.run_campaign_flow per chunk",
                 "workdir": str(root) if args.workdir else None}
@@ -471,7 +484,7 @@ def report(args: argparse.Namespace, config: CampaignConfig, compact_every: int,
                        "fit_note": "iterations after the first; reads: every chunk"})
     plot(RESULTS / f"{name}.png", rows, chunks, compactions,
          f"{config.name}: {len(rows)} iterations of configs/smoke.toml (tiny model, 1 torch thread), "
-         f"compaction every {compact_every or 'never'}")
+         f"compaction every {compact_every or 'never'}, keeping {keep_seconds:g} s of snapshots")
     print(f"\nsaved {path.relative_to(ROOT)} and {name}.png")
 
 

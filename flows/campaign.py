@@ -32,6 +32,11 @@ from evertrain.runtime import Runtime
 from evertrain.tasks import STAGE_TASKS, STAGES
 
 COMPACT_EVERY = 5  # iterations between compactions of the store (measured: benchmarks/store.py)
+# snapshots younger than this survive a compaction (a reader's running query reads its snapshot's files): longer
+# than any read evertrain makes, and short, because every snapshot kept is catalog rows each query reads
+# (measured, benchmarks/growth.py: kept for an hour, a tiny campaign's stage CPU per iteration rose from 1.9 to
+# 3.4 s by iteration 120, its queries 2-3x slower than after expiring them)
+COMPACT_KEEP_SECONDS = 300.0
 
 
 def next_iteration(rt: Runtime) -> int:
@@ -133,5 +138,5 @@ def run_campaign(rt: Runtime, iterations: int | None = None) -> list[int]:
         if (iteration + 1) % COMPACT_EVERY == 0:
             # every stage write adds Parquet files to a DuckLake store: merge them so readers (and the
             # next curate, which reads the whole pass-rate history) do not slow down as a campaign runs
-            rt.store.compact()
+            rt.store.compact(keep_seconds=COMPACT_KEEP_SECONDS)
     return finished
