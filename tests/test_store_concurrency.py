@@ -263,6 +263,14 @@ def test_compaction_keeps_what_a_reader_of_the_last_hour_may_need(tmp_path):
     assert store.scalar("SELECT count(*) FROM ducklake_snapshots('lake')") > snapshots  # none expired
     # the pinned snapshot still reads its rows: its files were neither expired nor cleaned up
     assert store.query(f"SELECT * FROM rollouts AT (VERSION => {pinned}) WHERE iteration = 0").shape[0] == 4
+    # files scheduled for deletion by a compaction longer ago than keep_seconds go at the next one
+    scheduled = "SELECT count(*) FROM __ducklake_metadata_lake.ducklake_files_scheduled_for_deletion"
+    store.compact(keep_seconds=1)
+    waiting = store.scalar(scheduled)
+    assert waiting > 0
+    time.sleep(1.5)
+    store.compact(keep_seconds=1)
+    assert store.scalar(scheduled + " WHERE CAST(schedule_start AS TIMESTAMPTZ) < now() - INTERVAL 1 SECOND") == 0
     store.compact(keep_seconds=0)  # nothing to keep: only the newest snapshot is left, its rows whole
     assert store.scalar("SELECT count(*) FROM ducklake_snapshots('lake')") == 1
     assert store.scalar("SELECT count(*) FROM rollouts") == 8

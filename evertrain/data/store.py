@@ -675,24 +675,35 @@ class Store(Queries):
         cutoff = now().timestamp() - keep_seconds
         # DuckLake's own `older_than` of expire_snapshots and cleanup_old_files compares the catalog's timestamps
         # by their date alone (measured on the SQLite catalog, DuckLake 0.3: with older_than = now - 1 h both took
-        # a snapshot and files made seconds before; with yesterday 23:59:59 neither). So the snapshots to expire
-        # are chosen here, by DuckDB's own comparison, and old files are cleaned up only when scheduled before the
-        # cutoff's day began (kept at most a day longer than asked); keep_seconds <= 0 cleans up everything.
-        # delete_orphaned_files compares the files' own times, correctly: a writer's uncommitted files stay.
+        # a snapshot and files made seconds before; with yesterday 23:59:59 neither). So the snapshots to expire are
+        # chosen here, by DuckDB's own comparison, and passed by id; the files earlier compactions scheduled for
+        # deletion are deleted before this one schedules more, all at once when every one of them is older than the
+        # cutoff (a campaign compacting every few minutes), else those scheduled before the cutoff's day began.
+        # keep_seconds <= 0 deletes them all. delete_orphaned_files compares the files' own times, correctly: a
+        # writer's uncommitted files stay.
         day_start = datetime.fromtimestamp(cutoff, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
 
+        def cleanup() -> None:
+            if keep_seconds > 0:
+                young = self.con.execute(
+                    f"SELECT count(*) FROM __ducklake_metadata_{LAKE}.ducklake_files_scheduled_for_deletion "
+                    "WHERE CAST(schedule_start AS TIMESTAMPTZ) >= to_timestamp(?)", [cutoff]).fetchone()[0]
+                if young:
+                    self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))",
+                                     [day_start.timestamp() - 1e-3])
+                    return
+            self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', cleanup_all => true)")
+
         def maintain() -> None:
+            cleanup()
             self.con.execute(f"CALL ducklake_merge_adjacent_files('{LAKE}')")
             expired = [int(row[0]) for row in self.con.execute(
                 f"SELECT snapshot_id FROM ducklake_snapshots('{LAKE}') WHERE snapshot_time < to_timestamp(?) "
                 f"AND snapshot_id < (SELECT max(snapshot_id) FROM ducklake_snapshots('{LAKE}'))", [cutoff]).fetchall()]
             if expired:
                 self.con.execute(f"CALL ducklake_expire_snapshots('{LAKE}', versions => ?)", [expired])
-            if keep_seconds <= 0:
+            if keep_seconds <= 0:  # nothing to keep: what this compaction scheduled goes too
                 self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', cleanup_all => true)")
-            else:
-                self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))",
-                                 [day_start.timestamp() - 1e-3])
             self.con.execute(f"CALL ducklake_delete_orphaned_files('{LAKE}', older_than => to_timestamp(?))", [cutoff])
 
         with self._lock, self._writer_lock():
