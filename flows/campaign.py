@@ -115,7 +115,7 @@ def run_campaign_flow(rt: Runtime, iterations: int | None = None) -> list[int]:
 def _report_iteration(rt: Runtime, iteration: int) -> None:
     """One line on the terminal as an iteration ends (reward, groups with signal, the gate, cost): written to
     stderr itself, not printed, so Prefect's log formatting does not widen it past 100 columns."""
-    row = next((r for r in iteration_report(rt.store, rt.campaign) if r["iteration"] == iteration), None)
+    row = next(iter(iteration_report(rt.store, rt.campaign, only=iteration)), None)
     if row is not None:
         sys.stderr.write(iteration_line(row) + "\n")
         sys.stderr.flush()

@@ -112,6 +112,12 @@ def test_report_lists_every_iteration(finished_campaign, tmp_path):
 
     line = iteration_line(rows[1])
     assert line.startswith("iteration 1 | reward ") and len(line) <= 100
+    # the loop's line reads one iteration by a bounded query: the same row, but the running totals
+    (alone,) = iteration_report(rt.store, config.name, only=1)
+    running = {"cumulative_dollars", "points_gained_total", "points_per_dollar_total"}
+    assert {k: v for k, v in alone.items() if k not in running} == \
+        {k: v for k, v in rows[1].items() if k not in running}
+    assert iteration_line(alone) == line and iteration_report(rt.store, config.name, only=7) == []
     assert f"[{rows[1]['gain_low']:+.3f}, {rows[1]['gain_high']:+.3f}]" in line
     page = html_report(config.name, rows)
     assert page.count("<img") == 1 and "data:image/png;base64," in page and "iteration 1" in page

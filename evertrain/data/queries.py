@@ -345,8 +345,10 @@ class Queries:
                             {"campaign": campaign, "version": version})
         return bool(count)
 
-    def promotions(self, campaign: str) -> pd.DataFrame:
-        """Every promotion decision of the campaign (all columns)."""
+    def promotions(self, campaign: str, iteration: int | None = None) -> pd.DataFrame:
+        """Every promotion decision of the campaign (all columns), or only ``iteration``'s."""
+        if iteration is not None:
+            return self.query("SELECT * FROM promotions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
         return self.query("SELECT * FROM promotions WHERE campaign = ?", [campaign])
 
     def promotions_until(self, campaign: str, last: int) -> pd.DataFrame:
@@ -470,10 +472,14 @@ class Queries:
                           "AND status = 'completed'", [campaign, iteration, stage])
         return json.loads(raw) if raw else {}
 
-    def stage_runs(self, campaign: str) -> pd.DataFrame:
-        """Every stage run of the campaign, by iteration: iteration, stage, status, wall_s, cpu_s, metrics."""
+    def stage_runs(self, campaign: str, iteration: int | None = None) -> pd.DataFrame:
+        """Every stage run of the campaign (or of ``iteration`` only), by iteration: iteration, stage, status,
+        wall_s, cpu_s, metrics."""
+        if iteration is not None:
+            return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
+                              "WHERE campaign = ? AND iteration = ? ORDER BY stage", [campaign, iteration])
         return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
-                          "WHERE campaign = ? ORDER BY iteration", [campaign])
+                          "WHERE campaign = ? ORDER BY iteration, stage", [campaign])
 
     def iteration_dollars(self, campaign: str, iteration: int, excluding: str) -> float:
         """What ``iteration``'s stages other than ``excluding`` cost (their ``dollars`` metric)."""
