@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import duckdb
 import httpx
 import pytest
 
@@ -316,9 +317,15 @@ def test_code_the_endpoint_grades_is_audited_in_sandbox_runs(tmp_path, models_di
             assert sorted(runs["purpose"]) == ["endpoint:candidate", "endpoint:tests"]
             assert set(runs["run_id"]) == set(detail["sandbox_run_ids"])
             assert set(runs["campaign"]) == {"graded"} and runs["iteration"].isna().all()
-            # what escapes a handler (here the store gone from under /feedback's look-up) is a JSON 500, counted
+            # what escapes a handler (here the store gone from under /feedback's look-up) is a JSON 500, counted.
+            # The look-up is made to fail as a closed connection does: closing the connection itself raced the
+            # trace writer's thread, and DuckDB crashed the whole process (a segfault in a CI run)
             assert server.endpoint.writer.flush(60)
-            rt.store.con.close()
+
+            def gone(trace_id: str) -> None:
+                raise duckdb.ConnectionException("Connection already closed!")
+
+            rt.store.trace_owner = gone  # type: ignore[method-assign]
             broken = http.post(f"{server.url}/feedback", timeout=60, json={"trace_id": "chatcmpl-unknown",
                                                                           "passed": True})
             assert broken.status_code == 500, broken.text
