@@ -683,26 +683,27 @@ class Store(Queries):
         # writer's uncommitted files stay.
         day_start = datetime.fromtimestamp(cutoff, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
 
-        def cleanup() -> None:
-            if keep_seconds > 0:
-                young = self.con.execute(
-                    f"SELECT count(*) FROM __ducklake_metadata_{LAKE}.ducklake_files_scheduled_for_deletion "
-                    "WHERE CAST(schedule_start AS TIMESTAMPTZ) >= to_timestamp(?)", [cutoff]).fetchone()[0]
-                if young:
-                    self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))",
-                                     [day_start.timestamp() - 1e-3])
-                    return
-            self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', cleanup_all => true)")
+        def scheduled_before() -> None:
+            """The files earlier compactions scheduled for deletion (keep_seconds > 0)."""
+            young = self.con.execute(
+                f"SELECT count(*) FROM __ducklake_metadata_{LAKE}.ducklake_files_scheduled_for_deletion "
+                "WHERE CAST(schedule_start AS TIMESTAMPTZ) >= to_timestamp(?)", [cutoff]).fetchone()[0]
+            if young:
+                self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', older_than => to_timestamp(?))",
+                                 [day_start.timestamp() - 1e-3])
+            else:
+                self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', cleanup_all => true)")
 
         def maintain() -> None:
-            cleanup()
+            if keep_seconds > 0:
+                scheduled_before()
             self.con.execute(f"CALL ducklake_merge_adjacent_files('{LAKE}')")
             expired = [int(row[0]) for row in self.con.execute(
                 f"SELECT snapshot_id FROM ducklake_snapshots('{LAKE}') WHERE snapshot_time < to_timestamp(?) "
                 f"AND snapshot_id < (SELECT max(snapshot_id) FROM ducklake_snapshots('{LAKE}'))", [cutoff]).fetchall()]
             if expired:
                 self.con.execute(f"CALL ducklake_expire_snapshots('{LAKE}', versions => ?)", [expired])
-            if keep_seconds <= 0:  # nothing to keep: what this compaction scheduled goes too
+            if keep_seconds <= 0:  # nothing to keep: every scheduled file goes, this compaction's included
                 self.con.execute(f"CALL ducklake_cleanup_old_files('{LAKE}', cleanup_all => true)")
             self.con.execute(f"CALL ducklake_delete_orphaned_files('{LAKE}', older_than => to_timestamp(?))", [cutoff])
 
