@@ -557,7 +557,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from evertrain.data.store import Store, StoreError
 
     uri = args.store or (_config(args).paths.store if args.config else PathsConfig().store)
-    store = Store(uri, read_only=True)
+    store = Store(uri, read_only=True, user_sql=True)
     try:
         frame = store.read_sql(args.query)
     except duckdb.Error as error:
