@@ -1,7 +1,7 @@
 """``rg:<generator>``: every reasoning-gym generator builds, splits, and grades in the sandbox.
 
 The per-generator checks share one module fixture that grades all generators on a pool of two threads
-(about 4 sandbox runs each), so the whole file stays well under a minute on two cores.
+(two sandbox runs each: the reference as a policy's answer is graded, then the other answers batched in one).
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ def _grade(generator: str) -> Graded:
         graded.train, graded.eval = env.problems("train", 2, 1), env.problems("eval", 2, 1)
         first, held = graded.train[0], graded.eval[0]
         graded.references = [env.reference(first), env.reference(held)]
+        # the policy's path (one sandbox a grade) for the reference; the rest in one batched sandbox (the quality
+        # check's path, a fork an answer), so the reference graded again also checks that both paths agree
+        probes: dict[str, tuple[Problem, str]] = {}
         if graded.references[0] is not None:
             graded.verdicts["reference"] = env.verify(first, graded.references[0])
-            graded.verdicts["reference_again"] = env.verify(first, graded.references[0])
+            probes["reference_again"] = (first, graded.references[0])
         if graded.references[1] is not None:
-            graded.verdicts["reference_eval"] = env.verify(held, graded.references[1])
-        graded.verdicts["empty"] = env.verify(held, "")
-        graded.verdicts["wrong"] = env.verify(held, WRONG)
+            probes["reference_eval"] = (held, graded.references[1])
+        probes.update(empty=(held, ""), wrong=(held, WRONG))
+        graded.verdicts.update(zip(probes, env.verify_probes(list(probes.values())), strict=True))
     except Exception as error:  # reported by the test of that generator
         graded.error = f"{type(error).__name__}: {error}"
     return graded

@@ -165,5 +165,6 @@ def test_only_a_store_for_user_sql_checks_extension_signatures(lake):
         assert store.scalar(setting) is False
     with Store(lake, read_only=True) as store:
         assert store.scalar(setting) is True
+        assert store.scalar("SELECT current_setting('threads')") == 1  # its statements are small (STORE_THREADS)
         with pytest.raises(StoreError, match="user_sql=True"):
             store.read_sql("SELECT 1")
