@@ -118,6 +118,12 @@ def test_report_lists_every_iteration(finished_campaign, tmp_path):
     assert {k: v for k, v in alone.items() if k not in running} == \
         {k: v for k, v in rows[1].items() if k not in running}
     assert iteration_line(alone) == line and iteration_report(rt.store, config.name, only=7) == []
+    # promote's progress figure reads its window the same way (tasks/promote.PROGRESS_WINDOW): bounded, not the
+    # whole campaign each iteration
+    (window,) = iteration_report(rt.store, config.name, since=1)
+    assert {k: v for k, v in window.items() if k not in running} == \
+        {k: v for k, v in rows[1].items() if k not in running}
+    assert [r["iteration"] for r in iteration_report(rt.store, config.name, since=0)] == [0, 1]
     assert f"[{rows[1]['gain_low']:+.3f}, {rows[1]['gain_high']:+.3f}]" in line
     page = html_report(config.name, rows)
     assert page.count("<img") == 1 and "data:image/png;base64," in page and "iteration 1" in page

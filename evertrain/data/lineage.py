@@ -40,12 +40,14 @@ def evaluation_seconds(stage_wall: dict[str, Any], metrics: dict[str, dict[str, 
             float(metrics.get("promote", {}).get("sealed_s", 0) or 0))
 
 
-def iteration_report(store: Store, campaign: str, only: int | None = None) -> list[dict[str, Any]]:
+def iteration_report(store: Store, campaign: str, only: int | None = None,
+                     since: int | None = None) -> list[dict[str, Any]]:
     """One dict per iteration of ``campaign`` with its headline numbers (None where a stage has not run). With
     ``only``, that iteration's alone, read by a query bounded to it (the loop's line as each iteration ends: its
-    cost does not grow with the campaign); its running totals (points gained, dollars) then cover it alone."""
-    stages = store.stage_runs(campaign, only)
-    promotions = store.promotions(campaign, only).set_index("iteration")
+    cost does not grow with the campaign); with ``since``, the iterations from that one on. Running totals
+    (points gained, dollars) then cover the iterations read."""
+    stages = store.stage_runs(campaign, only, since)
+    promotions = store.promotions(campaign, only, since).set_index("iteration")
     rows: list[dict[str, Any]] = []
     for iteration, group in stages.groupby("iteration", sort=True):
         metrics = {row.stage: json.loads(row.metrics or "{}") for row in group.itertuples(index=False)}

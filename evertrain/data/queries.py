@@ -345,10 +345,13 @@ class Queries:
                             {"campaign": campaign, "version": version})
         return bool(count)
 
-    def promotions(self, campaign: str, iteration: int | None = None) -> pd.DataFrame:
-        """Every promotion decision of the campaign (all columns), or only ``iteration``'s."""
+    def promotions(self, campaign: str, iteration: int | None = None, since: int | None = None) -> pd.DataFrame:
+        """Every promotion decision of the campaign (all columns), or only ``iteration``'s, or those from
+        iteration ``since`` on."""
         if iteration is not None:
             return self.query("SELECT * FROM promotions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
+        if since is not None:
+            return self.query("SELECT * FROM promotions WHERE campaign = ? AND iteration >= ?", [campaign, since])
         return self.query("SELECT * FROM promotions WHERE campaign = ?", [campaign])
 
     def promotions_until(self, campaign: str, last: int) -> pd.DataFrame:
@@ -472,12 +475,15 @@ class Queries:
                           "AND status = 'completed'", [campaign, iteration, stage])
         return json.loads(raw) if raw else {}
 
-    def stage_runs(self, campaign: str, iteration: int | None = None) -> pd.DataFrame:
-        """Every stage run of the campaign (or of ``iteration`` only), by iteration: iteration, stage, status,
-        wall_s, cpu_s, metrics."""
+    def stage_runs(self, campaign: str, iteration: int | None = None, since: int | None = None) -> pd.DataFrame:
+        """Every stage run of the campaign (or of ``iteration`` only, or from iteration ``since`` on), by
+        iteration: iteration, stage, status, wall_s, cpu_s, metrics."""
         if iteration is not None:
             return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
                               "WHERE campaign = ? AND iteration = ? ORDER BY stage", [campaign, iteration])
+        if since is not None:
+            return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
+                              "WHERE campaign = ? AND iteration >= ? ORDER BY iteration, stage", [campaign, since])
         return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
                           "WHERE campaign = ? ORDER BY iteration, stage", [campaign])
 
