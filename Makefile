@@ -9,8 +9,8 @@ DEMO_ITERATIONS ?= 6
 # pytest-xdist workers, one test file each at a time (--dist loadfile: a file's module fixtures, its campaign
 # among them, are built once); TEST_WORKERS=0 runs the suite in one process. The tests run torch on one thread
 # each (tests/conftest.py), but a worker also waits: on servers it started, engines, subprocesses, sleeps. With
-# two workers on the two cores 9-10% of the machine's CPU time was idle; a third worker fills it (pytest 728 s
-# against 812-839 s with two, AMD EPYC; docs/benchmarks/tests.md).
+# two workers on the two cores 10% of the machine's CPU time was idle; a third worker fills it (back to back on
+# one tree, AMD EPYC: pytest 745.8 s with three, 799.8 s with two; docs/benchmarks/tests.md).
 TEST_WORKERS ?= 3
 
 export PREFECT_HOME := $(CURDIR)/.prefect

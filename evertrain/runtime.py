@@ -66,6 +66,10 @@ class Runtime:
         self.inference = Inference(config, self.env, engines=engines)
         self._graders: Any = None  # evertrain.cluster.Graders, started on first use (cluster.address not "none")
         self._lock = threading.Lock()  # stages of two iterations may run at once (update.mode = "async")
+        # what this context has already written or found (it holds the campaign's claim: no other process writes
+        # the campaign meanwhile), so each stage does not pay a store call for it again
+        self.recorded_config: str | None = None  # the config JSON last written to ``campaigns``
+        self._started = False  # the campaign has its state row (ensure_started's work is done)
 
     @classmethod
     def open(cls, config: CampaignConfig, *, engines: Engines | None = None) -> Runtime:
@@ -235,7 +239,10 @@ class Runtime:
 
     def ensure_started(self) -> None:
         """Register the base model as version 1 and first champion, and make it the trainee (once)."""
+        if self._started:
+            return
         if self.store.campaign_state(self.campaign) is not None:
+            self._started = True
             return
         self.validate_environments()
         self.tracker.ensure_registered_model()

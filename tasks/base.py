@@ -37,8 +37,11 @@ def run_stage(rt: Runtime, stage: str, iteration: int, function: StageFunction) 
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES + OPTIONAL_STAGES)}")
     interrupts.check()  # a stop signal whose KeyboardInterrupt was swallowed stops the run here
     rt.ensure_started()
-    rt.store.replace("campaigns", {"campaign": rt.campaign}, [{
-        "campaign": rt.campaign, "config": rt.config.model_dump_json(), "updated_at": now()}])
+    config = rt.config.model_dump_json()
+    if rt.recorded_config != config:  # once per context, not a write per stage
+        rt.store.replace("campaigns", {"campaign": rt.campaign}, [{
+            "campaign": rt.campaign, "config": config, "updated_at": now()}])
+        rt.recorded_config = config
     flow_run_id = current_flow_run_id()
     run_id, previous_status = rt.tracker.iteration_run(iteration, flow_run_id)
     started = now()

@@ -323,14 +323,16 @@ class Queries:
         """(champion, previous champion) as the store's lineage events say: the champion after the last
         promotion decision or rollback (the base model before any), and the last different champion before it
         (None before any change). MLflow's aliases are projected from this (tracking.py)."""
-        frame = self.query(f"SELECT v, prior FROM ({_CHAMPION_EVENTS}) ORDER BY stamp DESC NULLS LAST",
-                           {"campaign": campaign})
-        # newest first, each event's champion then the one before it: the champions in the order they held
+        # one query (the endpoint's watcher asks every poll): the events newest first, then the base model's row
+        frame = self.query(
+            f"""SELECT v, prior FROM (
+                    SELECT stamp, v, prior, false AS base FROM ({_CHAMPION_EVENTS})
+                    UNION ALL SELECT NULL, min(version), NULL, true FROM model_versions
+                    WHERE campaign = $campaign AND kind = 'base')
+                ORDER BY base, stamp DESC NULLS LAST""", {"campaign": campaign})
+        # each event's champion then the one before it, the base model last: the champions in the order they held
         chain = [v for row in frame.itertuples(index=False) for v in (_number(row.v), _number(row.prior))
                  if v is not None]
-        base = self.base_version(campaign)
-        if base is not None:
-            chain.append(base)
         if not chain:
             return None, None
         champion = chain[0]
