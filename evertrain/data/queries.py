@@ -52,6 +52,15 @@ _TRACE_OUTCOMES = """
 _GATE = "coalesce(split, 'gate') = 'gate'"  # rows stored before the split column existed are the gate's
 
 
+def _iteration_bounds(campaign: str, iteration: int | None, since: int | None) -> tuple[str, list[Any]]:
+    """A WHERE clause and its parameters: the campaign's rows, of ``iteration`` only or from ``since`` on."""
+    if iteration is not None:
+        return "campaign = ? AND iteration = ?", [campaign, iteration]
+    if since is not None:
+        return "campaign = ? AND iteration >= ?", [campaign, since]
+    return "campaign = ?", [campaign]
+
+
 def _number(value: Any) -> int | None:
     """An integer column's value, None for NULL (DuckDB returns None, pandas NaN or NA)."""
     if value is None:
@@ -350,11 +359,8 @@ class Queries:
     def promotions(self, campaign: str, iteration: int | None = None, since: int | None = None) -> pd.DataFrame:
         """Every promotion decision of the campaign (all columns), or only ``iteration``'s, or those from
         iteration ``since`` on."""
-        if iteration is not None:
-            return self.query("SELECT * FROM promotions WHERE campaign = ? AND iteration = ?", [campaign, iteration])
-        if since is not None:
-            return self.query("SELECT * FROM promotions WHERE campaign = ? AND iteration >= ?", [campaign, since])
-        return self.query("SELECT * FROM promotions WHERE campaign = ?", [campaign])
+        where, params = _iteration_bounds(campaign, iteration, since)
+        return self.query(f"SELECT * FROM promotions WHERE {where}", params)
 
     def promotions_until(self, campaign: str, last: int) -> pd.DataFrame:
         """The gate decisions up to iteration ``last``, in order: iteration, challenger_version, champion_version,
@@ -480,14 +486,9 @@ class Queries:
     def stage_runs(self, campaign: str, iteration: int | None = None, since: int | None = None) -> pd.DataFrame:
         """Every stage run of the campaign (or of ``iteration`` only, or from iteration ``since`` on), by
         iteration: iteration, stage, status, wall_s, cpu_s, metrics."""
-        if iteration is not None:
-            return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
-                              "WHERE campaign = ? AND iteration = ? ORDER BY stage", [campaign, iteration])
-        if since is not None:
-            return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
-                              "WHERE campaign = ? AND iteration >= ? ORDER BY iteration, stage", [campaign, since])
-        return self.query("SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs "
-                          "WHERE campaign = ? ORDER BY iteration, stage", [campaign])
+        where, params = _iteration_bounds(campaign, iteration, since)
+        return self.query(f"SELECT iteration, stage, status, wall_s, cpu_s, metrics FROM stage_runs WHERE {where} "
+                          "ORDER BY iteration, stage", params)
 
     def iteration_dollars(self, campaign: str, iteration: int, excluding: str) -> float:
         """What ``iteration``'s stages other than ``excluding`` cost (their ``dollars`` metric)."""

@@ -162,9 +162,9 @@ def _hide_password(conninfo: str) -> str:
 
 # DuckDB threads for the store's own connections. Its statements are small (a stage's row, a champion look-up, a
 # batch of rollouts): a second thread's synchronisation costs more than it computes. Measured on a DuckLake
-# store with a SQLite catalog (AMD EPYC, 2 cores): a one-row replace took 12.5 CPU-ms with one thread against
-# 16.5-18 with two, a read of a table of 200 files 8.0 against 12.9. A user's own SQL (`evertrain sql`) runs with
-# DuckDB's default (every core).
+# store with a SQLite catalog (AMD EPYC, 2 cores; benchmarks/store_ops.py): a one-row replace took 14.3 CPU-ms
+# with one thread against 18.5 with two, a small read 7.4 against 8.2. A user's own SQL (`evertrain sql`) runs
+# with DuckDB's default (every core).
 STORE_THREADS = 1
 
 
