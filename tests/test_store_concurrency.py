@@ -26,12 +26,17 @@ def api_url(prefect_server) -> str:
 
 READER = textwrap.dedent("""
     import json, sys, time
-    from evertrain.data.store import Store
+    from evertrain.data.store import Store, StoreError
     uri, out, stop = sys.argv[1], sys.argv[2], sys.argv[3]
     from pathlib import Path
-    while not Path(uri.removeprefix("ducklake:sqlite:")).exists():
-        time.sleep(0.1)
-    store = Store(uri, read_only=True)
+    while True:  # the catalog file appears before its writer has created the lake in it
+        try:
+            store = Store(uri, read_only=True)
+            break
+        except StoreError as error:
+            if "does not exist yet" not in str(error):
+                raise
+            time.sleep(0.1)
     with open(out, "w") as sink:
         while not Path(stop).exists():
             try:

@@ -383,6 +383,10 @@ class Store(Queries):
         except StoreError:
             raise
         except duckdb.Error as error:
+            if self.read_only and "creating a new DuckLake is explicitly disabled" in str(error):
+                # the catalog file is there but its first writer has not created the lake in it yet
+                raise StoreError(f"store {self.location.describe()} does not exist yet: run a campaign first") \
+                    from None
             raise StoreError(f"cannot open store {self.location.describe()}: {error}") from None
         if not self.read_only:
             self._migrate()
