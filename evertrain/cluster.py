@@ -20,7 +20,6 @@ import ray
 from evertrain.config import CampaignConfig
 from evertrain.envs import registry
 from evertrain.envs.base import Problem, Verdict
-from evertrain.inference.ray_workers import connect_ray
 from evertrain.quiet import quiet_libraries
 from evertrain.scoring import verify_many
 
@@ -49,6 +48,10 @@ class Graders:
         self.last: dict[str, float] = {}  # the last call's metrics
 
     def start(self) -> None:
+        # late: the rollout workers' module imports torch, transformers and peft (about 6 CPU-seconds); a grading
+        # task's worker process imports this module to run _grade, and grading needs none of them
+        from evertrain.inference.ray_workers import connect_ray
+
         connect_ray(self.campaign)
         self._remote = ray.remote(_grade).options(num_cpus=self.config.grade_cpus, max_retries=3,
                                                   scheduling_strategy="SPREAD")

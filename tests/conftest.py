@@ -137,12 +137,27 @@ def smoke_config(tmp_path: Path, models_dir: Path) -> CampaignConfig:
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory):
-    """One real Prefect server (the test harness) for the whole session."""
+def prefect_server(prefect_database: Path):
+    """One real Prefect server (the test harness) for the whole session, on a copy of the suite's migrated database:
+    the harness would otherwise migrate a new one (about 8 CPU-seconds) in every xdist worker. The harness names
+    its database ``prefect-test.db`` in the folder it makes with ``mkdtemp``; the copy is put there first (where a
+    later Prefect names it otherwise, the harness migrates its own, as before)."""
+    from prefect.testing import utilities
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    def premigrated(*args: Any, **kwargs: Any) -> str:
+        folder = tempfile.mkdtemp(*args, **kwargs)
+        shutil.copyfile(prefect_database, Path(folder) / "prefect-test.db")
+        return folder
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utilities, "mkdtemp", premigrated)
+        harness = prefect_test_harness(server_startup_timeout=120)
+        harness.__enter__()
+    try:
         yield
+    finally:
+        harness.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

@@ -629,6 +629,48 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
         time.sleep(0.1)
 
 
+def test_an_idle_endpoint_asks_for_the_champion_only_after_a_commit(live, monkeypatch):
+    """While nothing is committed the watcher reads the store's snapshot id, not the champion (an idle endpoint
+    polls forever); a commit from another process makes its next poll ask again, and a move is still served."""
+    import subprocess
+    import sys
+
+    from evertrain.tasks.promote import rollback
+
+    config, rt, server, _client = live
+    champion = server.endpoint.champion
+    asked: list[float] = []
+    ask = champion._champion_version
+    monkeypatch.setattr(champion, "_champion_version", lambda: asked.append(time.monotonic()) or ask())
+    assert server.endpoint.writer.flush(60)  # the endpoint's own traces committed: nothing pending
+    time.sleep(3 * config.serving.poll_seconds)
+    asked.clear()
+    time.sleep(10 * config.serving.poll_seconds)
+    assert asked == [], f"asked for the champion {len(asked)} times while nothing was committed"
+    # a commit by another process (an `evertrain keys create`, which has nothing to do with the champion)
+    made = subprocess.run([sys.executable, "-m", "evertrain.cli", "keys", "create", "--name", "idle-poll",
+                           "--scopes", "infer", "--store", config.paths.store], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
+    assert made.returncode == 0, made.stderr
+    deadline = time.monotonic() + 30
+    while not asked:
+        assert time.monotonic() < deadline, "a commit did not make the watcher ask for the champion"
+        time.sleep(0.1)
+    # and a move of the champion is served, as before
+    try:
+        rollback(rt, to_version=2, reason="moved while idle", allow_unpromoted=True)
+        deadline = time.monotonic() + 30
+        while champion.current.version != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        rollback(rt, to_version=1, reason="test over", allow_unpromoted=True)
+    deadline = time.monotonic() + 30
+    while champion.current.version != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_live_pass_rate_per_version_and_its_plot_reach_mlflow(live):
     _config, rt, server, client = live
     answer = client.chat.completions.create(model="live", messages=[{"role": "user", "content": "hi"}], max_tokens=2,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from functools import cached_property
+from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import ClassVar
 
 from evertrain.envs.answers import MathEnvironment
@@ -34,20 +35,32 @@ class GSM8K(FixedSplits, MathEnvironment):
     @cached_property
     def _splits(self) -> dict[str, list[Problem]]:
         path = vendored_path("gsm8k", "train.jsonl")
-        splits: dict[str, list[Problem]] = {"train": [], "eval": []}
-        with path.open() as lines:
-            for number, line in enumerate(lines, 1):
-                try:
-                    row = json.loads(line)
-                    question, solution = row["question"], row["answer"]
-                    answer = solution.rsplit("####", 1)[1].strip()
-                except (json.JSONDecodeError, KeyError, IndexError, AttributeError) as error:
-                    raise ValueError(f"{path}:{number}: not a GSM8K row ({error!r})") from None
-                payload = {"answer": answer, "solution": _CALCULATOR.sub("", solution)}
-                problem = Problem.make(self.name, question, payload)
-                split: Split = "eval" if int(problem.id, 16) % 10 == 0 else "train"
-                splits[split].append(Problem(self.name, problem.id, question, payload, split))
-        return splits
+        stat = path.stat()
+        # the parsed file is kept per process (a campaign, a test session opens the environment many times);
+        # each instance gets Problems of its own, with payloads of its own
+        return {split: [Problem(self.name, pid, question, {"answer": answer, "solution": solution}, split)
+                        for pid, question, answer, solution in rows]
+                for split, rows in _parsed(self.name, path, stat.st_mtime_ns, stat.st_size).items()}
 
     def reference(self, problem: Problem) -> str | None:
         return problem.payload["solution"]
+
+
+@lru_cache(maxsize=4)
+def _parsed(name: str, path: Path, _mtime_ns: int, _size: int) -> dict[str, tuple[tuple[str, str, str, str], ...]]:
+    """GSM8K's rows split by content hash: (id, question, answer, solution without calculator marks) per split.
+    Keyed by the file's modification time and size too: a file replaced in place is read again."""
+    splits: dict[str, list[tuple[str, str, str, str]]] = {"train": [], "eval": []}
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                question, solution = row["question"], row["answer"]
+                answer = solution.rsplit("####", 1)[1].strip()
+            except (json.JSONDecodeError, KeyError, IndexError, AttributeError) as error:
+                raise ValueError(f"{path}:{number}: not a GSM8K row ({error!r})") from None
+            payload = {"answer": answer, "solution": _CALCULATOR.sub("", solution)}
+            problem = Problem.make(name, question, payload)
+            split: Split = "eval" if int(problem.id, 16) % 10 == 0 else "train"
+            splits[split].append((problem.id, question, answer, payload["solution"]))
+    return {split: tuple(rows) for split, rows in splits.items()}

@@ -164,8 +164,15 @@ class Champion:
         return served
 
     def _watch(self) -> None:
+        # the store's snapshot when a poll last found the champion served: while no commit moves it (and no failed
+        # load waits for a retry, whose trigger is the checkpoint folder, not the store), the champion cannot have
+        # moved, and the poll costs one catalog read instead of the champion query (an idle endpoint polls forever)
+        settled: int | None = None
         while not self._stop.wait(self.config.serving.poll_seconds):
             try:
+                snapshot = self.rt.store.snapshot_id()
+                if snapshot is not None and snapshot == settled and not self.failed:
+                    continue
                 version = self._champion_version()
             except Exception as error:  # a registry hiccup: keep serving what is loaded, ask again next poll
                 self.last_error = f"{type(error).__name__}: {error}"
@@ -173,6 +180,7 @@ class Champion:
                 continue
             current = self.current
             if current is not None and version == current.version:
+                settled = snapshot
                 continue
             digest = self._digest(version)
             if not self._due(version, digest):
@@ -188,6 +196,7 @@ class Champion:
                                "load_s": time.perf_counter() - began, "at": time.time()})
             self.failed.pop(version, None)
             self.last_error = None
+            settled = snapshot
             log.info("endpoint: now serving %s", served.name)
 
     def _digest(self, version: int) -> str | None:
