@@ -1,5 +1,6 @@
 """The CLI answers bad input without loading the training stack: a typo in a config path or a setting is
-reported in a couple of CPU-seconds, not after torch and Prefect are imported (about 6 before)."""
+reported in a couple of CPU-seconds, not after torch and Prefect are imported (about 6 before); a Ray grading
+task's worker process does not import the training stack either."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def test_a_bad_setting_is_refused_with_status_2_and_no_training_imports():
     out, err = _probe("run", "--config", "configs/smoke.toml", "--set", "update.learning_rate=-1")
     assert out == "2 []", (out, err)
     assert "learning_rate" in err and "Traceback" not in err
+
+
+def test_a_ray_grading_task_s_module_loads_no_training_stack():
+    """A grading task on a Ray cluster runs ``evertrain.cluster._grade`` in a Ray worker process, which imports
+    that module first: it must not bring torch, transformers or peft (about 6 CPU-seconds a worker process,
+    paid in every Ray worker that grades), only what grading uses."""
+    done = subprocess.run([sys.executable, "-c", "import sys, evertrain.cluster\n"
+                           "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "[]", (done.stdout, done.stderr)
