@@ -652,22 +652,20 @@ def test_an_idle_endpoint_asks_for_the_champion_only_after_a_commit(live, monkey
                            "--scopes", "infer", "--store", config.paths.store], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "EVERTRAIN_PROGRESS": "0"})
     assert made.returncode == 0, made.stderr
-    deadline = time.monotonic() + 30
-    while not asked:
-        assert time.monotonic() < deadline, "a commit did not make the watcher ask for the champion"
-        time.sleep(0.1)
+    _until(lambda: asked, "a commit did not make the watcher ask for the champion")
     # and a move of the champion is served, as before
     try:
         rollback(rt, to_version=2, reason="moved while idle", allow_unpromoted=True)
-        deadline = time.monotonic() + 30
-        while champion.current.version != 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _until(lambda: champion.current.version == 2, "the moved champion was not served")
     finally:
         rollback(rt, to_version=1, reason="test over", allow_unpromoted=True)
-    deadline = time.monotonic() + 30
-    while champion.current.version != 1:
-        assert time.monotonic() < deadline
+    _until(lambda: champion.current.version == 1, "the champion rolled back was not served")
+
+
+def _until(done: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
         time.sleep(0.1)
 
 
