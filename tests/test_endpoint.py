@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -614,19 +615,14 @@ def test_a_champion_that_fails_to_load_is_tried_with_back_off_and_said_once(live
 
         # the checkpoint repaired in place: its new content is tried at once, not after the back-off
         manifest.write_text(json.dumps({"kind": "base", "base_model": str(Path(rt.base_model).resolve())}))
-        deadline = time.monotonic() + 30
-        while server.endpoint.champion.current.version != version:
-            assert time.monotonic() < deadline, server.endpoint.champion.failed
-            time.sleep(0.1)
+        _until(lambda: server.endpoint.champion.current.version == version,
+               lambda: f"the repaired v{version} was not served: {server.endpoint.champion.failed}")
         assert version not in server.endpoint.champion.failed
     finally:
         if rt.champion_version() != 1:
             rollback(rt, to_version=1, reason="test over")
         rt.tracker.set_alias("champion", 1)
-    deadline = time.monotonic() + 30
-    while server.endpoint.champion.current.version != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _until(lambda: server.endpoint.champion.current.version == 1, "the champion rolled back was not served")
 
 
 def test_an_idle_endpoint_asks_for_the_champion_only_after_a_commit(live, monkeypatch):
@@ -662,10 +658,11 @@ def test_an_idle_endpoint_asks_for_the_champion_only_after_a_commit(live, monkey
     _until(lambda: champion.current.version == 1, "the champion rolled back was not served")
 
 
-def _until(done: Any, what: str, timeout: float = 30.0) -> None:
+def _until(done: Callable[[], object], what: str | Callable[[], str], timeout: float = 30.0) -> None:
+    """Wait until ``done()`` holds; fail with ``what`` (or what it returns, read when failing) after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not done():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.1)
 
 

@@ -164,14 +164,14 @@ class Champion:
         return served
 
     def _watch(self) -> None:
-        # the store's snapshot when a poll last found the champion served: while no commit moves it (and no failed
-        # load waits for a retry, whose trigger is the checkpoint folder, not the store), the champion cannot have
-        # moved, and the poll costs one catalog read instead of the champion query (an idle endpoint polls forever)
+        # the store's snapshot when a poll last found the champion served: while no commit moves it, the champion
+        # cannot have moved, and the poll costs one catalog read instead of the champion query (an idle endpoint
+        # polls forever). A champion that failed to load is never "served", so its retries are not skipped.
         settled: int | None = None
         while not self._stop.wait(self.config.serving.poll_seconds):
             try:
                 snapshot = self.rt.store.snapshot_id()
-                if snapshot is not None and snapshot == settled and not self.failed:
+                if snapshot is not None and snapshot == settled:
                     continue
                 version = self._champion_version()
             except Exception as error:  # a registry hiccup: keep serving what is loaded, ask again next poll
