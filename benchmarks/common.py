@@ -34,6 +34,20 @@ def machine() -> dict[str, Any]:
             if torch.cuda.is_available() else None, "cpu_bfloat16_native": cpu_supports_bf16()}
 
 
+def machine_cpu() -> dict[str, float]:
+    """The machine's CPU time since boot in seconds, every process's (``/proc/stat``'s first line): ``busy`` (user,
+    nice, system, irq, softirq), ``idle`` (idle and iowait), ``steal`` (taken by the host). Guest time is inside
+    user already and is not counted again. NaN each where there is no /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return {"busy": float("nan"), "idle": float("nan"), "steal": float("nan")}
+    fields += [0] * (8 - len(fields))
+    tick = os.sysconf("SC_CLK_TCK")
+    idle, steal = fields[3] + fields[4], fields[7]
+    return {"busy": (sum(fields) - idle - steal) / tick, "idle": idle / tick, "steal": steal / tick}
+
+
 def save(name: str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` with the command line, machine and date to benchmarks/results/<name>.json."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, save
+from benchmarks.common import machine_cpu, print_table, save
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = 3  # the Makefile's TEST_WORKERS
@@ -69,15 +69,6 @@ def probe() -> dict[str, float]:
     return {"torch_s": round(torch_s, 3), "python_s": round(python_s, 3), "total_s": round(torch_s + python_s, 3)}
 
 
-def _proc_stat() -> dict[str, float]:
-    """The machine's CPU time so far, in seconds: busy (everything but idle and iowait), idle, stolen."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + fields[4]
-    steal = fields[7] if len(fields) > 7 else 0
-    return {"busy": (sum(fields) - idle - steal) / tick, "idle": idle / tick, "steal": steal / tick}
-
-
 def _junit(path: Path) -> tuple[dict[str, int], list[tuple[str, float, int]]]:
     """Counts (tests, failed, errors, skipped) and each file's summed test time (set-up, call and tear-down)."""
     counts = collections.Counter()
@@ -101,20 +92,20 @@ def run_suite(repo: Path, workers: int, extra: list[str]) -> dict[str, Any]:
     command = [str(repo / ".venv" / "bin" / "pytest"), "-q", "-n", str(workers), "--dist", "loadfile",
                "--no-loadscope-reorder", f"--junitxml={junit}", *extra]
     env = {**os.environ, "EVERTRAIN_REQUIRE_VLLM": "1"}
-    before, began = _proc_stat(), time.perf_counter()
+    before, began = machine_cpu(), time.perf_counter()
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
-    wall, after = time.perf_counter() - began, _proc_stat()
+    wall, after = time.perf_counter() - began, machine_cpu()
     if not junit.exists():
         raise SystemExit(f"pytest wrote no report (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
                          f"{done.stderr[-3000:]}")
     counts, files = _junit(junit)
-    machine_cpu = {key: round(after[key] - before[key], 1) for key in before}
+    used = {key: round(after[key] - before[key], 1) for key in before}
     lines = done.stdout.strip().splitlines()
     shown = [c for c in command if not c.startswith("--junitxml=")]
     return {"exit_code": done.returncode, "summary": lines[-1] if lines else "",
             "pytest_command": " ".join(["EVERTRAIN_REQUIRE_VLLM=1", *shown]),
-            "wall_s": round(wall, 1), **counts, "cpu_busy_s": machine_cpu["busy"], "cpu_idle_s": machine_cpu["idle"],
-            "cpu_steal_s": machine_cpu["steal"], "files": [
+            "wall_s": round(wall, 1), **counts, "cpu_busy_s": used["busy"], "cpu_idle_s": used["idle"],
+            "cpu_steal_s": used["steal"], "files": [
                 {"file": name, "seconds": round(seconds, 1), "tests": n} for name, seconds, n in files]}
 
 

@@ -70,6 +70,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import machine_cpu  # noqa: E402
 from evertrain.stats import mean_interval  # noqa: E402  (the checkout's evertrain, found through ROOT)
 
 SYSTEMS = ("evertrain", "trl", "trl_warm")
@@ -95,12 +96,8 @@ def cpu_seconds() -> float:
 
 def machine_busy_seconds() -> float:
     """CPU seconds every process on the machine has used since boot (/proc/stat: all but idle and iowait)."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    cpu = machine_cpu()
+    return cpu["busy"] + cpu["steal"]
 
 
 def tree_cpu_seconds() -> float:

@@ -1,10 +1,12 @@
-"""benchmarks/suite.py's reading of what it measures: pytest's JUnit report and the machine's CPU counters."""
+"""benchmarks/suite.py's reading of what it measures: pytest's JUnit report, and the machine's CPU counters
+(benchmarks/common.py, vs_trl.py's too)."""
 
 from __future__ import annotations
 
 import time
 
-from benchmarks.suite import _junit, _proc_stat
+from benchmarks.common import machine_cpu
+from benchmarks.suite import _junit
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">
@@ -25,10 +27,10 @@ def test_the_report_is_counted_and_files_ranked_by_their_summed_time(tmp_path):
 
 
 def test_busy_cpu_counts_work_done_between_two_readings():
-    before = _proc_stat()
+    before = machine_cpu()
     deadline = time.process_time() + 0.3
     while time.process_time() < deadline:  # 0.3 CPU-seconds of this process's own work
         pass
-    after = _proc_stat()
+    after = machine_cpu()
     assert after["busy"] - before["busy"] >= 0.25
     assert after["idle"] >= before["idle"] and after["steal"] >= before["steal"]
